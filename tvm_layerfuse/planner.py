@@ -1,0 +1,174 @@
+"""The planner: run the templates in order and produce the fusion plan.
+
+::
+
+    first graph ──vertical templates──► intermediate graph ──horizontal phase──► second graph
+                  (conv chains, pre-activation)             (horizontal, element-wise, concat)
+
+Each template proposes candidates (``pattern``), the planner asks ``check`` for a refusal
+reason, and on None lets ``merge`` rewrite the graph. A candidate whose layers a previous
+merge of the same template changed is proposed again by re-running the pattern. The
+result is deterministic: templates run in registry order and patterns in graph order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from .errors import GraphError
+from .templates.base import PHASES, FusionGroup, Refusal, Template, members_of
+from .templates.registry import TemplateRegistry, default_registry
+from .topology.graph import TopologyGraph
+from .topology.onnx_reader import ModelSource, read_onnx
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FusionPlan:
+    """What to merge: the groups, the refused candidates, and the three graphs."""
+
+    model: str
+    first: TopologyGraph
+    intermediate: TopologyGraph
+    second: TopologyGraph
+    groups: list[FusionGroup] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    templates: list[str] = field(default_factory=list)
+
+    def groups_of(self, template_or_kind: str) -> list[FusionGroup]:
+        return [g for g in self.groups if template_or_kind in (g.template, g.kind)]
+
+    def refusals_of(self, template_or_kind: str) -> list[Refusal]:
+        return [r for r in self.refusals if template_or_kind in (r.template, r.kind)]
+
+    def counts(self) -> dict[str, Any]:
+        """Headline numbers of the plan."""
+        in_place = [l for l in self.second if l.fused.get("in_place")]
+        return {
+            "layers_first": len(self.first),
+            "layers_intermediate": len(self.intermediate),
+            "layers_second": len(self.second),
+            "kernels_second": len(self.second) - len(in_place),
+            "groups": len(self.groups),
+            "vertical": len(self.groups_of("vertical")),
+            "horizontal": len(self.groups_of("horizontal")),
+            "eltwise": len(self.groups_of("eltwise")),
+            "concat_in_place": len(self.groups_of("concat")),
+            "refused": len(self.refusals),
+        }
+
+    def to_dict(self, *, graphs: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.model,
+            "templates": list(self.templates),
+            "counts": self.counts(),
+            "groups": [g.to_dict() for g in self.groups],
+            "refusals": [r.to_dict() for r in self.refusals],
+        }
+        if graphs:
+            out["first_graph"] = self.first.to_dict()
+            out["second_graph"] = self.second.to_dict()
+        return out
+
+
+def plan(
+    model: Union[ModelSource, TopologyGraph],
+    *,
+    registry: Optional[TemplateRegistry] = None,
+    input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+) -> FusionPlan:
+    """Plan the merges of ``model`` (a path, an ``onnx.ModelProto`` or a first topology graph)."""
+    first = model if isinstance(model, TopologyGraph) else read_onnx(model, input_shapes=input_shapes)
+    registry = registry or default_registry()
+    graph = first.copy()
+    groups: list[FusionGroup] = []
+    refusals: list[Refusal] = []
+    intermediate = graph
+    for phase in PHASES:
+        for template in registry.phase(phase):
+            _run_template(graph, template, phase, groups, refusals)
+        if phase == "vertical":
+            intermediate = graph.copy()
+    result = FusionPlan(
+        model=first.name,
+        first=first,
+        intermediate=intermediate,
+        second=graph,
+        groups=groups,
+        refusals=refusals,
+        templates=registry.names(),
+    )
+    validate(result)
+    log.info("plan for %s: %s", first.name, result.counts())
+    return result
+
+
+def _run_template(
+    graph: TopologyGraph,
+    template: Template,
+    phase: str,
+    groups: list[FusionGroup],
+    refusals: list[Refusal],
+) -> None:
+    decided: set[tuple[str, ...]] = set()
+    while True:
+        stale = False
+        for match in _matches_with_snapshots(template, graph, decided):
+            if any(n not in graph or graph.layer(n) is not layer for n, layer in match.info["_snapshot"].items()):
+                stale = True  # an earlier merge changed these layers: propose again
+                continue
+            decided.add(tuple(match.layers))
+            reason = template.check(graph, match)
+            if reason is not None:
+                refusals.append(Refusal(template.name, template.kind, list(match.layers), reason))
+                log.debug("%s refused %s: %s", template.name, match.layers, reason)
+                continue
+            size_before = len(graph)
+            layer, details = template.merge(graph, match)
+            removed = size_before - len(graph)
+            group = FusionGroup(
+                id=len(groups),
+                template=template.name,
+                kind=template.kind,
+                phase=phase,
+                members=list(members_of(graph, match.layers)) if template.kind == "concat" else list(layer.members),
+                layer=layer.name,
+                layers_before=len(set(match.layers)),
+                layers_after=len(set(match.layers)) - removed,
+                details=details,
+            )
+            groups.append(group)
+        if not stale:
+            return
+
+
+def _matches_with_snapshots(template: Template, graph: TopologyGraph, decided: set[tuple[str, ...]]):
+    """The pattern's candidates not yet decided, each with a snapshot of its layers."""
+    matches = [m for m in template.pattern(graph) if tuple(m.layers) not in decided]
+    for m in matches:
+        m.info["_snapshot"] = {n: graph.layer(n) for n in m.layers}
+    return matches
+
+
+def validate(p: FusionPlan) -> None:
+    """Invariants of a plan: every original layer appears exactly once in the second graph,
+    every tensor a layer reads is defined, and the second graph is acyclic."""
+    seen: dict[str, str] = {}
+    for layer in p.second:
+        for m in layer.members:
+            if m in seen:
+                raise GraphError(f"plan error: layer {m!r} is in both {seen[m]!r} and {layer.name!r}")
+            seen[m] = layer.name
+    missing = [l.name for l in p.first if l.name not in seen]
+    extra = [m for m in seen if m not in p.first]
+    if missing or extra:
+        raise GraphError(f"plan error: layers lost {missing[:5]} or invented {extra[:5]} by the merges")
+    p.second.relink()
+    p.second.sort()
+    for o in p.second.outputs:
+        t = p.second.tensor(o)
+        if t.producer is None and not t.is_input and not t.constant:
+            raise GraphError(f"plan error: graph output {o!r} is no longer produced")

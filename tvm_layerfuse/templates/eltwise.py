@@ -1,0 +1,139 @@
+"""Element-wise template: a residual Add/Sum (or Mul) moves into a Conv's epilogue.
+
+For ``z = Add(Conv(x), r)`` (Sum of two inputs alike, Mul likewise), where the conv's
+output has no other reader::
+
+    z = act(Conv(x) + r)        one kernel; r becomes an extra input of the fused layer
+
+``act`` is an activation (Relu, Clip, LeakyRelu) that reads only ``z``; it joins the
+epilogue too. ``r`` must broadcast to the conv's output shape without enlarging it. When
+``r`` has no reader after the fused layer (and is neither a graph input nor output), the
+result may overwrite ``r``'s buffer in place; the plan records whether that is allowed.
+When both operands are produced by such convs, the later one (in graph order) absorbs the
+op, so the other operand is already computed when the fused kernel runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from ..topology.graph import Layer, TopologyGraph
+from .base import Match, Template, members_of
+from .ops import SIMPLE_ACTIVATIONS, activation_of, epilogue_entry, is_conv
+
+ELTWISE_OPS = ("Add", "Sum", "Mul")
+
+
+class EltwiseEpilogue(Template):
+    name = "eltwise.conv_epilogue"
+    kind = "eltwise"
+    description = "Add/Sum/Mul of a Conv output and another tensor -> the Conv's epilogue"
+
+    def pattern(self, graph: TopologyGraph) -> Iterator[Match]:
+        for layer in graph:
+            if layer.op_type not in ELTWISE_OPS or layer.domain:
+                continue
+            data = graph.data_inputs(layer)
+            if len(data) < 2:
+                continue  # an op with a constant operand is a vertical (per-channel) matter
+            producers = [graph.producer(t) for t in data]
+            if not any(p is not None and is_conv(p) for p in producers):
+                continue
+            yield Match(self.name, [layer.name], info={"operands": data})
+
+    def check(self, graph: TopologyGraph, match: Match) -> Optional[str]:
+        op = graph.layer(match.layers[0])
+        operands = match.info["operands"]
+        if len(op.inputs) != 2 or len(operands) != 2:
+            return f"{op.op_type} {op.name!r} has {len(op.inputs)} inputs; the epilogue takes exactly one extra input"
+        choice = self._choose(graph, op)
+        if isinstance(choice, str):
+            return choice
+        return None
+
+    def _choose(self, graph: TopologyGraph, op: Layer):
+        """The (conv, other operand) pair to fuse, or the reason none fits."""
+        reasons = []
+        order = graph.order()
+        options = []
+        for k, t in enumerate(op.inputs):
+            other = op.inputs[1 - k]
+            conv = graph.producer(t)
+            if conv is None or not is_conv(conv):
+                reasons.append(f"{t!r} is not produced by a conv")
+                continue
+            if len(conv.outputs) != 1:
+                reasons.append(f"{t!r} comes from the horizontally merged conv {conv.name!r}")
+                continue
+            if graph.readers(t) != 1:
+                reasons.append(f"{t!r} (from conv {conv.name!r}) has {graph.readers(t)} readers")
+                continue
+            if other == t:
+                reasons.append(f"{op.name!r} reads {t!r} twice")
+                continue
+            out_shape = graph.tensor(op.outputs[0]).shape
+            if out_shape is None or graph.tensor(t).shape != out_shape:
+                reasons.append(
+                    f"the other operand {other!r} broadcasts the result beyond the conv output "
+                    f"{list(graph.tensor(t).shape or [])}"
+                )
+                continue
+            options.append((order[conv.name], conv, other))
+        if not options:
+            return f"no operand of {op.op_type} {op.name!r} can absorb it: " + "; ".join(reasons)
+        _, conv, other = max(options, key=lambda o: o[0])
+        return conv, other
+
+    def merge(self, graph: TopologyGraph, match: Match) -> tuple[Layer, dict[str, Any]]:
+        op = graph.layer(match.layers[0])
+        conv, other = self._choose(graph, op)
+        absorbed = [conv.name, op.name]
+        epilogue = list(conv.fused.get("epilogue", []))
+        epilogue.append(epilogue_entry(op, "residual" if op.op_type != "Mul" else "multiply", extra_input=other))
+        out = op.outputs[0]
+        nxt = graph.sole_consumer(out)
+        activation = None
+        if nxt is not None and nxt.op_type in SIMPLE_ACTIVATIONS:
+            act = activation_of(graph, nxt, out)
+            if act is not None:
+                params = {k: v for k, v in act.items() if k not in ("op", "layers")}
+                epilogue.append(epilogue_entry(nxt, "activation", **params))
+                absorbed.append(nxt.name)
+                out = nxt.outputs[0]
+                activation = nxt.op_type
+        fused = dict(conv.fused) if conv.fused else {"prologue": []}
+        fused["epilogue"] = epilogue
+        fused["extra_input"] = other
+        overwrite = self._may_overwrite(graph, other, after=absorbed)
+        fused["overwrite_extra_input"] = overwrite
+        layer = Layer(
+            name=conv.name,
+            op_type=conv.op_type,
+            inputs=list(conv.inputs) + [other],
+            outputs=[out],
+            attrs=dict(conv.attrs),
+            members=members_of(graph, absorbed),
+            template=f"{conv.template}+{self.name}" if conv.template else self.name,
+            fused=fused,
+        )
+        graph.replace(absorbed, [layer])
+        details = {
+            "conv": conv.name,
+            "op": op.op_type,
+            "extra_input": other,
+            "activation": activation,
+            "overwrite_extra_input": overwrite,
+        }
+        return layer, details
+
+    @staticmethod
+    def _may_overwrite(graph: TopologyGraph, tensor: str, *, after: list[str]) -> bool:
+        """Whether the fused layer may write its result over ``tensor``: every other reader of
+        ``tensor`` runs before the fused layer, and the tensor is neither a graph input nor output."""
+        t = graph.tensor(tensor)
+        if t.is_input or t.is_output or t.constant:
+            return False
+        order = graph.order()
+        position = min(order[n] for n in after)
+        others = [c for c in t.consumers if c not in after]
+        return all(order[c] < position for c in others)
