@@ -60,6 +60,13 @@ class FusionPlan:
             "refused": len(self.refusals),
         }
 
+    def graph_notes(self) -> list[str]:
+        """Facts about the model that limit fusion (ops ONNX does not define, ...)."""
+        unknown = self.first.meta.get("unknown_ops", [])
+        if not unknown:
+            return []
+        return [f"ops ONNX does not define are kept as opaque layers, never fused: {', '.join(unknown)}"]
+
     def to_dict(self, *, graphs: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
             "model": self.model,
@@ -67,6 +74,7 @@ class FusionPlan:
             "counts": self.counts(),
             "groups": [g.to_dict() for g in self.groups],
             "refusals": [r.to_dict() for r in self.refusals],
+            "notes": self.graph_notes(),
         }
         if graphs:
             out["first_graph"] = self.first.to_dict()

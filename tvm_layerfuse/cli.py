@@ -1,0 +1,134 @@
+"""The command line: ``python -m tvm_layerfuse COMMAND ...``.
+
+Every user mistake ends with one line ``error: ...`` on stderr and exit status 2; an
+interrupt ends with status 130. Without a MODEL argument the built-in GoogLeNet
+(inception_v1 from the onnx package) is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import __version__
+from .errors import LayerfuseError, UsageError
+
+log = logging.getLogger("tvm_layerfuse")
+
+
+def parse_input_shapes(items: Sequence[str]) -> dict[str, list[int]]:
+    """``["data=1,3,224,224", ...]`` -> ``{"data": [1, 3, 224, 224]}``."""
+    shapes: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, dims = item.rpartition("=")
+        if not sep or not name:
+            raise UsageError(f"--input-shape {item!r} is malformed; expected NAME=D0,D1,... e.g. data=1,3,224,224")
+        try:
+            values = [int(d) for d in dims.replace("x", ",").split(",") if d.strip()]
+        except ValueError:
+            raise UsageError(
+                f"--input-shape {item!r} has a non-integer size; expected NAME=D0,D1,... e.g. data=1,3,224,224"
+            ) from None
+        if not values:
+            raise UsageError(f"--input-shape {item!r} gives no sizes; expected NAME=D0,D1,...")
+        shapes[name] = values
+    return shapes
+
+
+def _say(args: argparse.Namespace, message: str) -> None:
+    """A status line on stderr (stdout carries the command's result), unless --quiet."""
+    if not args.quiet:
+        print(message, file=sys.stderr)
+
+
+def _model_arg(value: Optional[str]) -> Path:
+    from .models import default_model
+
+    return Path(value) if value else default_model()
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="ONNX model file (default: the built-in GoogLeNet, inception_v1)")
+    p.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="NAME=D0,D1,...",
+        help="fix the shape of a graph input (needed when the model declares dynamic sizes); repeatable",
+    )
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .planner import plan
+    from .report import plan_text
+
+    model = _model_arg(args.model)
+    result = plan(model, input_shapes=parse_input_shapes(args.input_shape))
+    if args.dot:
+        from .dot import write_dot
+
+        _say(args, f"wrote {write_dot(result, Path(args.dot))}")
+    if args.svg:
+        from .dot import write_svg
+
+        _say(args, f"wrote {write_svg(result, Path(args.svg))}")
+    if args.json:
+        json.dump(result.to_dict(graphs=not args.plan_only), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(plan_text(result, graphs=not args.plan_only) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tvm_layerfuse",
+        description="Layer fusion for CNNs on Apache TVM: inspect, plan and compile ONNX models.",
+    )
+    parser.add_argument("--version", action="version", version=f"tvm_layerfuse {__version__}")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="more log output (and tracebacks of internal errors)")
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="only errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="show the topology graph, the fusion plan and the fused graph")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan and both graphs as JSON")
+    p.add_argument("--plan-only", action="store_true", help="leave the two graph tables (or JSON graphs) out")
+    p.add_argument("--dot", metavar="FILE", help="write both graphs side by side as Graphviz DOT")
+    p.add_argument("--svg", metavar="FILE", help="draw both graphs side by side as SVG (needs Graphviz's dot)")
+    p.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except LayerfuseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # an internal error, not the user's: say so in one line unless --verbose
+        if args.verbose:
+            raise
+        print(
+            f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+            "(run with --verbose for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 3
