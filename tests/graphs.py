@@ -1,0 +1,187 @@
+"""Small ONNX graphs for tests, written with onnx.helper, and the numeric checks on them.
+
+``Net`` keeps track of each tensor's shape so weights can be sized; every random value
+comes from one seeded generator.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from tvm_layerfuse.onnx_realize import realize
+from tvm_layerfuse.planner import FusionPlan, plan
+
+RTOL = 1e-4  # fp32: max |a - b| / max |a| against onnxruntime with optimisations off
+
+
+class Net:
+    def __init__(self, *, opset: int = 13, seed: int = 0) -> None:
+        self.opset = opset
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self._n = 0
+
+    def _name(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}{self._n}"
+
+    def input(self, name: str, shape: Sequence[Optional[int]]) -> str:
+        dims = [d if d is not None else "N" for d in shape]
+        self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))
+        self.shape[name] = tuple(shape)
+        return name
+
+    def const(self, value: np.ndarray, name: Optional[str] = None) -> str:
+        name = name or self._name("c")
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name=name))
+        self.shape[name] = tuple(np.asarray(value).shape)
+        return name
+
+    def node(self, op: str, inputs: list[str], *, shape=None, name: Optional[str] = None, outputs: int = 1, **attrs) -> str:
+        name = name or self._name(op.lower())
+        outs = [f"{name}_out"] if outputs == 1 else [f"{name}_out{k}" for k in range(outputs)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=name, **attrs))
+        for o in outs:
+            self.shape[o] = tuple(shape) if shape is not None else self.shape[inputs[0]]
+        return outs[0] if outputs == 1 else outs
+
+    def conv(
+        self,
+        x: str,
+        cout: int,
+        *,
+        k: int = 3,
+        stride: int = 1,
+        pad: Optional[int] = None,
+        group: int = 1,
+        dilation: int = 1,
+        bias: bool = True,
+        name: Optional[str] = None,
+        weight_input: bool = False,
+    ) -> str:
+        n, cin, h, w = self.shape[x]
+        pad = (k // 2) * dilation if pad is None else pad
+        wv = (self.rng.standard_normal((cout, cin // group, k, k)) * np.sqrt(2.0 / (cin // group * k * k))).astype(
+            np.float32
+        )
+        name = name or self._name("conv")
+        if weight_input:
+            wn = self.input(f"{name}_w", wv.shape)
+        else:
+            wn = self.const(wv, f"{name}_w")
+        ins = [x, wn]
+        if bias:
+            ins.append(self.const((self.rng.standard_normal(cout) * 0.1).astype(np.float32), f"{name}_b"))
+        ho = (h + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+        wo = (w + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+        return self.node(
+            "Conv",
+            ins,
+            shape=(n, cout, ho, wo),
+            name=name,
+            kernel_shape=[k, k],
+            strides=[stride, stride],
+            pads=[pad] * 4,
+            dilations=[dilation, dilation],
+            group=group,
+        )
+
+    def bn(self, x: str, *, name: Optional[str] = None, params_as_inputs: bool = False, eps: float = 1e-5) -> str:
+        c = self.shape[x][1]
+        name = name or self._name("bn")
+        values = [
+            self.rng.uniform(0.5, 1.5, c),  # scale
+            self.rng.standard_normal(c) * 0.1,  # bias
+            self.rng.standard_normal(c) * 0.1,  # mean
+            self.rng.uniform(0.5, 1.5, c),  # var
+        ]
+        names = []
+        for tag, v in zip(("scale", "bias", "mean", "var"), values):
+            if params_as_inputs:
+                names.append(self.input(f"{name}_{tag}", (c,)))
+            else:
+                names.append(self.const(v.astype(np.float32), f"{name}_{tag}"))
+        return self.node("BatchNormalization", [x] + names, name=name, epsilon=eps)
+
+    def channel_const(self, x: str, *, rank: int = 3, low: float = 0.5, high: float = 1.5) -> str:
+        c = self.shape[x][1]
+        v = self.rng.uniform(low, high, c).astype(np.float32)
+        return self.const(v.reshape((c,) + (1,) * (rank - 1)))
+
+    def relu(self, x: str, **kw) -> str:
+        return self.node("Relu", [x], **kw)
+
+    def concat(self, xs: list[str], *, axis: int = 1, name: Optional[str] = None) -> str:
+        shape = list(self.shape[xs[0]])
+        shape[axis] = sum(self.shape[x][axis] for x in xs)
+        return self.node("Concat", xs, shape=shape, axis=axis, name=name)
+
+    def maxpool(self, x: str, *, k: int = 3, stride: int = 1, pad: int = 1) -> str:
+        n, c, h, w = self.shape[x]
+        ho = (h + 2 * pad - k) // stride + 1
+        wo = (w + 2 * pad - k) // stride + 1
+        return self.node("MaxPool", [x], shape=(n, c, ho, wo), kernel_shape=[k, k], strides=[stride, stride], pads=[pad] * 4)
+
+    def build(self, outputs: list[str], *, name: str = "test") -> onnx.ModelProto:
+        outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, list(self.shape[o])) for o in outputs]
+        graph = helper.make_graph(self.nodes, name, self.inputs, outs, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)])
+        model.ir_version = 8 if self.opset <= 17 else 10
+        onnx.checker.check_model(model, full_check=True)
+        return model
+
+
+def feeds_for(model: onnx.ModelProto, *, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        v = rng.standard_normal(shape).astype(np.float32)
+        if "_var" in vi.name:
+            v = np.abs(v) + 0.5  # a variance fed at run time must be positive
+        feeds[vi.name] = v
+    return feeds
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *, extra_outputs: Sequence[str] = ()) -> list[np.ndarray]:
+    if extra_outputs:
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        for o in extra_outputs:
+            m.graph.output.append(helper.make_empty_tensor_value_info(o))
+        model = m
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.float64) - b).max() / max(np.abs(a).max(), 1e-30))
+
+
+def assert_realizes(model: onnx.ModelProto, p: Optional[FusionPlan] = None, *, seed: int = 1) -> FusionPlan:
+    """Plan ``model`` (unless given), write the fused model, and check both agree in onnxruntime."""
+    p = p or plan(model)
+    fused = realize(p, model)
+    onnx.checker.check_model(fused)
+    feeds = feeds_for(model, seed=seed)
+    expected = run_ort(model, feeds)
+    got = run_ort(fused, feeds)
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        assert e.shape == g.shape
+        assert rel_err(e, g) <= RTOL, f"fused model differs: relative error {rel_err(e, g):.3g} > {RTOL}"
+    return p
