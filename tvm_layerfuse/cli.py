@@ -84,6 +84,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verbosity_parent() -> argparse.ArgumentParser:
+    """-v/-q accepted after the command too (SUPPRESS keeps the top-level value otherwise)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="more log output")
+    group.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="only errors")
+    return parent
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tvm_layerfuse",
@@ -95,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     verbosity.add_argument("-q", "--quiet", action="store_true", help="only errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("inspect", help="show the topology graph, the fusion plan and the fused graph")
+    p = sub.add_parser(
+        "inspect", parents=[_verbosity_parent()], help="show the topology graph, the fusion plan and the fused graph"
+    )
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="print the plan and both graphs as JSON")
     p.add_argument("--plan-only", action="store_true", help="leave the two graph tables (or JSON graphs) out")

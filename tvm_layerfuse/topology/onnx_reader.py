@@ -102,9 +102,9 @@ class _Reader:
 
     # -------------------------------------------------------------- entry point
     def build(self) -> TopologyGraph:
+        initializers = {t.name: t for t in self.model.graph.initializer}
+        self._check_structure(initializers)  # may replace self.model by a sorted copy
         graph = self.model.graph
-        initializers = {t.name: t for t in graph.initializer}
-        self._check_structure(initializers)
         model = self._with_input_shapes(initializers)
         self._check_onnx(model)
         unknown = self._unknown_ops(model)
@@ -310,6 +310,13 @@ class _Reader:
                     f"pass --input-shape {vi.name}=... with the real sizes"
                 )
             _refuse_huge(self.label, vi.name, dims)
+        if self.input_shapes:
+            # Shapes recorded for the old input sizes would contradict inference: forget them.
+            del model.graph.value_info[:]
+            for vi in model.graph.output:
+                if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+                    for k, d in enumerate(vi.type.tensor_type.shape.dim):
+                        d.dim_param = f"{vi.name}_dim{k}"
         return model
 
     def _infer_shapes(self, model: onnx.ModelProto, *, strict: bool) -> onnx.ModelProto:
