@@ -30,3 +30,19 @@ class UsageError(LayerfuseError):
 
 class TemplateError(LayerfuseError):
     """A user-registered fusion template is malformed."""
+
+
+class ArtifactError(LayerfuseError):
+    """A compiled artifact is missing, damaged, tampered with, or for another target."""
+
+
+class InputError(LayerfuseError):
+    """Inference inputs do not match what the artifact expects."""
+
+
+class DeviceError(LayerfuseError):
+    """The requested device is not available here."""
+
+
+class BuildError(LayerfuseError):
+    """Compiling for the requested target failed (toolchain missing, codegen error)."""

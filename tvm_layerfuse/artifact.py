@@ -1,0 +1,145 @@
+"""The compiled artifact: a directory with the library, the weights and a manifest.
+
+::
+
+    OUT/
+      manifest.json   format, versions, target, inputs/outputs, fusion report, sha256 of every file
+      model.so        the device-executable library (host code + embedded device binary)
+      params.npz      the weights, by parameter name (plain arrays: loaded with allow_pickle=False)
+
+This module is pure Python + numpy: the runtime side imports it without TVM's compiler
+or onnx. Artifacts are untrusted input: :func:`verify` checks every checksum before any
+library is loaded, and nothing in an artifact is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .errors import ArtifactError, UsageError
+
+FORMAT = "tvm_layerfuse.artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LIBRARY = "model.so"
+PARAMS = "params.npz"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Read and sanity-check ``path/manifest.json`` (no checksums yet)."""
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"artifact {str(path)!r} does not exist; expected a directory written by `compile`")
+    if not path.is_dir():
+        raise ArtifactError(
+            f"artifact {str(path)!r} is a file; expected the directory written by `compile -o DIR`"
+        )
+    mpath = path / MANIFEST
+    if not mpath.exists():
+        raise ArtifactError(f"artifact {str(path)!r} has no {MANIFEST}; expected a directory written by `compile`")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{str(mpath)!r} is not readable JSON ({e}); re-run `compile`") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{str(mpath)!r} is not a tvm_layerfuse manifest; expected format {FORMAT!r}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"artifact {str(path)!r} has format version {version}; this tvm_layerfuse reads version "
+            f"{FORMAT_VERSION} - re-run `compile` with this version"
+        )
+    for key in ("files", "library", "inputs", "outputs", "target"):
+        if key not in manifest:
+            raise ArtifactError(f"{str(mpath)!r} lacks {key!r}; re-run `compile`")
+    return manifest
+
+
+def verify(path: Path, manifest: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Check that every file the manifest lists is there, unchanged, and nothing escapes ``path``."""
+    path = Path(path)
+    manifest = manifest or read_manifest(path)
+    files = manifest["files"]
+    if not isinstance(files, dict) or not files:
+        raise ArtifactError(f"manifest of {str(path)!r} lists no files; re-run `compile`")
+    root = path.resolve()
+    for name, digest in files.items():
+        f = (path / name).resolve()
+        if root not in f.parents:
+            raise ArtifactError(f"manifest of {str(path)!r} names {name!r}, outside the artifact; refusing to load it")
+        if not f.is_file():
+            raise ArtifactError(f"artifact {str(path)!r} lacks {name!r}; expected it beside manifest.json - re-run `compile`")
+        actual = sha256_file(f)
+        if actual != digest:
+            raise ArtifactError(
+                f"{name!r} in artifact {str(path)!r} has sha256 {actual[:12]}…, the manifest says {str(digest)[:12]}…; "
+                "the file was changed or damaged - re-run `compile` or copy the artifact again"
+            )
+    for key in ("library",):
+        if manifest[key] not in files:
+            raise ArtifactError(f"manifest of {str(path)!r} names {key} {manifest[key]!r} without a checksum")
+    return manifest
+
+
+def write_artifact(out: Path, fill: Callable[[Path], dict[str, Any]], *, overwrite: bool = False) -> Path:
+    """Create the artifact directory ``out`` atomically.
+
+    ``fill(tmpdir)`` writes the files into a temporary directory beside ``out`` and returns
+    the manifest (without ``files``); checksums are added here, then the directory is
+    renamed into place. On any failure (or Ctrl-C) nothing is left at ``out``.
+    """
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.exists():
+        raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another -o")
+    if out.exists() and not overwrite:
+        raise UsageError(f"output {str(out)!r} already exists; remove it or pass --force")
+    if out.exists() and not (out / MANIFEST).exists():
+        raise UsageError(f"output {str(out)!r} exists and is not an artifact; refusing to replace it - choose another -o")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    except OSError as e:
+        raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
+    try:
+        manifest = fill(tmp)
+        manifest["files"] = {
+            p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST
+        }
+        _write_json(tmp / MANIFEST, manifest)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UsageError(f"cannot write artifact {str(out)!r} ({e.strerror or e}); nothing was written") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())

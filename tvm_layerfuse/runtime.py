@@ -1,0 +1,180 @@
+"""Load a compiled artifact with the TVM runtime only, and run inference.
+
+::
+
+    from tvm_layerfuse import runtime
+    rt = runtime.load("out/squeezenet", device="cpu")
+    outputs = rt.run({"data_0": x})          # {"softmaxout_1": array}
+
+Works where only ``libtvm_runtime`` is installed (``TVM_USE_RUNTIME_LIB=1``, no compiler
+library, no ``tvm.relax``, no onnx). Before loading anything it checks the manifest: every
+file's sha256, the artifact's target against the requested device and this machine's
+architecture; :meth:`Runtime.run` checks input names, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from . import artifact
+from .errors import ArtifactError, DeviceError, InputError
+
+log = logging.getLogger(__name__)
+
+Inputs = Union[np.ndarray, Sequence[np.ndarray], Mapping[str, np.ndarray]]
+
+_MACHINES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
+
+
+def this_machine() -> str:
+    m = platform.machine().lower()
+    return _MACHINES.get(m, m)
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda"):
+        raise DeviceError(f"device {device!r} is unknown; expected cpu, cuda or cuda:N")
+    try:
+        return kind, int(index or 0)
+    except ValueError:
+        raise DeviceError(f"device {device!r} has a bad index; expected cuda:N with N an integer") from None
+
+
+def check_target(manifest: dict[str, Any], *, device: str, machine: str, where: str = "this machine") -> None:
+    """Refuse an artifact whose target does not fit ``device`` on a ``machine`` host."""
+    target = manifest["target"]
+    kind, _ = parse_device(device)
+    if target.get("device") != kind:
+        raise ArtifactError(
+            f"artifact was compiled for {target.get('device')} ({target.get('preset')}"
+            f"{' ' + target['arch'] if target.get('arch') else ''}), but device {device!r} was requested; "
+            f"compile with --target {'cuda' if kind == 'cuda' else 'cpu'} or run on {target.get('device')}"
+        )
+    if target.get("machine") and target["machine"] != machine:
+        raise ArtifactError(
+            f"artifact was compiled for {target['machine']} hosts, but {where} is {machine}; "
+            f"compile with --target {'aarch64' if machine == 'aarch64' else 'cpu'} for it"
+            + (" or `deploy` the artifact to the board" if target["machine"] != this_machine() else "")
+        )
+
+
+def _load_cuda_runtime(tvm) -> None:
+    """With only libtvm_runtime loaded, CUDA support lives in a library of its own."""
+    if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None:
+        return
+    lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    if not lib.exists():
+        raise DeviceError(f"this TVM has no CUDA runtime ({lib} is missing); install a CUDA-enabled TVM runtime")
+    try:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise DeviceError(
+            f"the TVM CUDA runtime cannot load ({e}); expected an NVIDIA driver (libcuda.so.1) on this machine"
+        ) from None
+
+
+class Runtime:
+    """A loaded artifact: inputs/outputs metadata and :meth:`run`."""
+
+    def __init__(self, path: Union[str, os.PathLike], *, device: str = "cpu") -> None:
+        self.path = Path(path)
+        manifest = artifact.read_manifest(self.path)
+        check_target(manifest, device=device, machine=this_machine())
+        artifact.verify(self.path, manifest)
+        self.manifest = manifest
+        self.inputs: list[dict[str, Any]] = manifest["inputs"]
+        self.outputs: list[dict[str, Any]] = manifest["outputs"]
+
+        import tvm  # the runtime part only; tvm.relax is never imported here
+        from tvm.runtime import vm as vm_runtime
+
+        kind, index = parse_device(device)
+        if kind == "cuda":
+            _load_cuda_runtime(tvm)
+        self.device = tvm.cuda(index) if kind == "cuda" else tvm.cpu(0)
+        if not self.device.exist:
+            raise DeviceError(f"device {device!r} is not available on this machine; expected a visible GPU")
+        try:
+            lib = tvm.runtime.load_module(str(self.path / manifest["library"]))
+        except Exception as e:
+            raise ArtifactError(
+                f"library {manifest['library']!r} of artifact {str(self.path)!r} cannot be loaded: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+            ) from None
+        self._vm = vm_runtime.VirtualMachine(lib, self.device)
+        self._params = self._load_params(tvm)
+        self._tvm = tvm
+
+    def _load_params(self, tvm) -> list[Any]:
+        spec = self.manifest.get("params") or {}
+        order = spec.get("order", [])
+        if not order:
+            return []
+        with np.load(self.path / spec["file"], allow_pickle=False) as data:
+            missing = [n for n in order if n not in data.files]
+            if missing:
+                raise ArtifactError(f"weights file of {str(self.path)!r} lacks {missing[:3]}; re-run `compile`")
+            return [tvm.runtime.tensor(np.ascontiguousarray(data[n]), self.device) for n in order]
+
+    # ------------------------------------------------------------------ inference
+    def _arguments(self, inputs: Inputs) -> list[Any]:
+        names = [i["name"] for i in self.inputs]
+        if isinstance(inputs, np.ndarray):
+            inputs = [inputs]
+        if isinstance(inputs, Mapping):
+            unknown = sorted(set(inputs) - set(names))
+            if unknown:
+                raise InputError(f"input {unknown[0]!r} is not an input of this model; expected {names}")
+            missing = [n for n in names if n not in inputs]
+            if missing:
+                raise InputError(f"input {missing[0]!r} is missing; expected values for {names}")
+            values = [inputs[n] for n in names]
+        else:
+            values = list(inputs)
+            if len(values) != len(names):
+                raise InputError(f"{len(values)} inputs given; expected {len(names)}: {names}")
+        args = []
+        for spec, value in zip(self.inputs, values):
+            value = np.asarray(value)
+            if list(value.shape) != list(spec["shape"]):
+                raise InputError(
+                    f"input {spec['name']!r} has shape {list(value.shape)}; expected {spec['shape']} - "
+                    "reshape it or compile with --input-shape"
+                )
+            if value.dtype != np.dtype(spec["dtype"]):
+                raise InputError(
+                    f"input {spec['name']!r} has dtype {value.dtype}; expected {spec['dtype']} - "
+                    f"convert it with .astype('{spec['dtype']}')"
+                )
+            args.append(self._tvm.runtime.tensor(np.ascontiguousarray(value), self.device))
+        return args + self._params
+
+    def run(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        """Run one inference; returns ``{output name: array}``."""
+        result = self._vm["main"](*self._arguments(inputs))
+        values = list(result) if not hasattr(result, "numpy") else [result]
+        names = [o["name"] for o in self.outputs]
+        if len(values) != len(names):
+            raise ArtifactError(f"the library returned {len(values)} outputs; the manifest lists {len(names)}")
+        return {n: v.numpy() for n, v in zip(names, values)}
+
+    def benchmark(self, inputs: Inputs, *, number: int = 1, repeat: int = 10, min_repeat_ms: int = 0) -> dict[str, float]:
+        """Latency of ``main`` with TVM's time_evaluator: median, min, max in milliseconds."""
+        timer = self._vm.time_evaluator("main", self.device, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
+        res = timer(*self._arguments(inputs))
+        times = [t * 1e3 for t in res.results]
+        return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeat": len(times)}
+
+
+def load(path: Union[str, os.PathLike], *, device: str = "cpu") -> Runtime:
+    """Load the artifact directory ``path`` for ``device`` (``cpu``, ``cuda``, ``cuda:N``)."""
+    return Runtime(path, device=device)
