@@ -14,21 +14,21 @@ alone (a partial run would trade one copy for another). The horizontal merge
 branches feed an Inception-style concat in channel order; this pass is generic and can run
 on its own inside a user's pipeline.
 
-After the rewrite the split and its ``TupleGetItem`` bindings are dead and are removed
-(dataflow blocks are pure, so removing unused dataflow bindings changes nothing).
+After the rewrite the split and its ``TupleGetItem`` bindings are removed when nothing else
+reads them (dataflow blocks are pure, so removing unused dataflow bindings changes nothing).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Iterable, Optional
 
 import tvm
 from tvm import relax
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CancelSplitConcat", "cancel_split_concat", "remove_unused_dataflow_bindings"]
+__all__ = ["CancelSplitConcat", "cancel_split_concat", "remove_unused_dataflow_bindings", "with_blocks"]
 
 
 def _op_name(expr: relax.Expr) -> Optional[str]:
@@ -43,22 +43,36 @@ def _normal_axis(axis: int, ndim: int) -> Optional[int]:
     return axis + ndim if axis < 0 else axis
 
 
-def remove_unused_dataflow_bindings(block: relax.DataflowBlock) -> relax.DataflowBlock:
+def remove_unused_dataflow_bindings(
+    block: relax.DataflowBlock, *, candidates: Optional[Iterable[relax.Var]] = None
+) -> relax.DataflowBlock:
     """``block`` without the dataflow-variable bindings nothing reads (repeated to a fixpoint).
 
+    With ``candidates``, only those variables, and the ones that only they read, may go:
+    a rewrite removes what it made dead and leaves the rest of the block alone.
     Non-dataflow variables are the block's outputs and are always kept.
     """
     bindings = list(block.bindings)
+    removable = None if candidates is None else set(candidates)
     while True:
         used: set[relax.Var] = set()
         for b in bindings:
             used.update(relax.analysis.free_vars(b.value))
-            if isinstance(b, relax.MatchCast):
-                used.add(b.var)  # a match_cast is also a run-time check: keep it
-        kept = [b for b in bindings if not isinstance(b.var, relax.DataflowVar) or b.var in used]
-        if len(kept) == len(bindings):
+        dead = [
+            b
+            for b in bindings
+            if isinstance(b.var, relax.DataflowVar)
+            and not isinstance(b, relax.MatchCast)  # a match_cast is also a run-time check
+            and b.var not in used
+            and (removable is None or b.var in removable)
+        ]
+        if not dead:
             break
-        bindings = kept
+        gone = {b.var for b in dead}
+        if removable is not None:
+            for b in dead:
+                removable.update(relax.analysis.free_vars(b.value))
+        bindings = [b for b in bindings if b.var not in gone]
     if len(bindings) == len(block.bindings):
         return block
     return relax.DataflowBlock(bindings, block.span)
@@ -80,6 +94,7 @@ def _cancel_in_block(block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, i
     value = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
     bindings = []
     cancelled = 0
+    maybe_dead: set[relax.Var] = set()
     for binding in block.bindings:
         new_value = None
         if isinstance(binding, relax.VarBinding) and _op_name(binding.value) == "relax.concat":
@@ -88,13 +103,17 @@ def _cancel_in_block(block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, i
         if new_value is None:
             bindings.append(binding)
         else:
+            maybe_dead.update(relax.analysis.free_vars(binding.value))  # the pieces (and the split)
             bindings.append(relax.VarBinding(binding.var, new_value, binding.span))
     if not cancelled:
         return block, 0
-    return remove_unused_dataflow_bindings(relax.DataflowBlock(bindings, block.span)), cancelled
+    new_block = relax.DataflowBlock(bindings, block.span)
+    return remove_unused_dataflow_bindings(new_block, candidates=maybe_dead), cancelled
 
 
-def _cancel_in_concat(binding: relax.VarBinding, value: dict[relax.Var, relax.Expr]) -> tuple[Optional[relax.Expr], int]:
+def _cancel_in_concat(
+    binding: relax.VarBinding, value: dict[relax.Var, relax.Expr]
+) -> tuple[Optional[relax.Expr], int]:
     concat = binding.value
     operands = concat.args[0]
     if isinstance(operands, relax.Var):
@@ -117,12 +136,15 @@ def _cancel_in_concat(binding: relax.VarBinding, value: dict[relax.Var, relax.Ex
             n = len(split_var.ty.fields)
             same_axis = _normal_axis(int(split.attrs.axis), getattr(split.args[0].ty, "ndim", -1)) == axis
             run = [_split_piece(f, value) for f in fields[j : j + n]]
-            if same_axis and len(run) == n and all(p is not None and p[0].same_as(split_var) and p[1] == k for k, p in enumerate(run)):
+            whole = len(run) == n and all(
+                p is not None and p[0].same_as(split_var) and p[1] == k for k, p in enumerate(run)
+            )
+            if same_axis and whole:
                 out.append(split.args[0])  # the split's input: [.., sum of the pieces along axis, ..]
                 cancelled += 1
                 j += n
                 continue
-            log.debug("concat %s reads split %s without all its pieces in order: kept", binding.var.name, split_var.name)
+            log.debug("concat %s reads split %s but not all its pieces in order", binding.var.name, split_var.name)
         out.append(fields[j])
         j += 1
     if not cancelled:
@@ -146,8 +168,13 @@ def cancel_split_concat(func: relax.Function) -> tuple[relax.Function, int]:
         blocks.append(block)
     if not total:
         return func, 0
-    body = relax.SeqExpr(blocks, func.body.body, func.body.span)
-    return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span), total
+    return with_blocks(func, blocks), total
+
+
+def with_blocks(func: relax.Function, blocks: list[relax.BindingBlock]) -> relax.Function:
+    """``func`` with its body's binding blocks replaced (the body is re-normalised for its type)."""
+    body = relax.BlockBuilder().normalize(relax.SeqExpr(blocks, func.body.body, func.body.span))
+    return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
 
 
 @tvm.transform.module_pass(opt_level=0, name="CancelSplitConcat")
@@ -179,4 +206,7 @@ class CancelSplitConcat:
 
 def _is_primitive(func: relax.Function) -> bool:
     attrs = func.attrs
-    return attrs is not None and ("Primitive" in attrs.keys() and int(attrs["Primitive"]) != 0 or "Codegen" in attrs.keys())
+    if attrs is None:
+        return False
+    keys = attrs.keys()
+    return ("Primitive" in keys and int(attrs["Primitive"]) != 0) or "Codegen" in keys
