@@ -16,7 +16,8 @@ the sum of both offsets.
 
 A producer cannot write in place when its value comes from outside the graph's layers
 (graph input, constant), when its tensor is a graph output (it needs storage of its own),
-when it already writes into another Concat, or when the Concat reads it twice.
+when it already writes into another Concat, when the Concat reads it twice, or when an
+element-wise epilogue will overwrite it in place (the block would be corrupted).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class InPlaceConcat(Template):
             writes = graph.layer(t.producer).fused.get("writes_into", {})
             if name in writes:
                 return f"input {name!r} already writes into concat {writes[name]['concat']!r}"
+            for reader in graph.consumers(name):
+                if reader.fused.get("overwrite_extra_input") and reader.fused.get("extra_input") == name:
+                    return f"input {name!r} is overwritten in place by the epilogue of {reader.name!r}"
         return None
 
     def merge(self, graph: TopologyGraph, match: Match) -> tuple[Layer, dict[str, Any]]:

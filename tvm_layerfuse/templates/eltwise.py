@@ -104,7 +104,7 @@ class EltwiseEpilogue(Template):
         fused = dict(conv.fused) if conv.fused else {"prologue": []}
         fused["epilogue"] = epilogue
         fused["extra_input"] = other
-        overwrite = self._may_overwrite(graph, other, after=absorbed)
+        overwrite = self._may_overwrite(graph, other, fused=absorbed, op=op.name)
         fused["overwrite_extra_input"] = overwrite
         layer = Layer(
             name=conv.name,
@@ -127,13 +127,23 @@ class EltwiseEpilogue(Template):
         return layer, details
 
     @staticmethod
-    def _may_overwrite(graph: TopologyGraph, tensor: str, *, after: list[str]) -> bool:
-        """Whether the fused layer may write its result over ``tensor``: every other reader of
-        ``tensor`` runs before the fused layer, and the tensor is neither a graph input nor output."""
+    def _may_overwrite(graph: TopologyGraph, tensor: str, *, fused: list[str], op: str) -> bool:
+        """Whether the fused layer may write its result over ``tensor``.
+
+        Only when the element-wise op is the sole reader of ``tensor`` inside the fused
+        layer (a conv reading it too would read pixels already overwritten), every other
+        reader runs before the fused layer, and the tensor is neither a graph input nor
+        output, and no Concat reads it (it may be placed in the Concat's block, which an
+        overwrite would corrupt; concat.py also refuses such an input).
+        """
         t = graph.tensor(tensor)
         if t.is_input or t.is_output or t.constant:
             return False
+        if any(tensor in graph.layer(n).inputs for n in fused if n != op):
+            return False
+        if any(c.op_type == "Concat" for c in graph.consumers(tensor)):
+            return False  # it may live inside a concat block: keep the copy-free concat instead
         order = graph.order()
-        position = min(order[n] for n in after)
-        others = [c for c in t.consumers if c not in after]
+        position = min(order[n] for n in fused)
+        others = [c for c in t.consumers if c not in fused]
         return all(order[c] < position for c in others)

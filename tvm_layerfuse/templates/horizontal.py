@@ -35,7 +35,17 @@ def _activation(layer: Layer) -> list[dict[str, Any]]:
 
 
 def _describe(layer: Layer) -> str:
-    return "+".join(e["op"] for e in _activation(layer)) or "no activation"
+    """``Relu``, ``Clip(0.0, 6.0)``, ``LeakyRelu(alpha=0.1)``, or ``no activation``."""
+    parts = []
+    for e in _activation(layer):
+        params = {k: v for k, v in e.items() if k not in ("op", "role", "folded", "extra_input")}
+        if e["op"] == "Clip":
+            parts.append(f"Clip({params.get('min')}, {params.get('max')})")
+        elif params:
+            parts.append(e["op"] + "(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")")
+        else:
+            parts.append(e["op"])
+    return "+".join(parts) or "no activation"
 
 
 def _key(graph: TopologyGraph, layer: Layer) -> tuple:
@@ -121,8 +131,12 @@ class HorizontalConv(Template):
             "split": split,
             "branches": {b.name: b.fused for b in branches},
         }
+        name = "+".join(b.name for b in branches)
+        base, k = name, 2
+        while name in graph:
+            name, k = f"{base}#{k}", k + 1
         layer = Layer(
-            name="+".join(b.name for b in branches),
+            name=name,
             op_type=branches[0].op_type,
             inputs=inputs,
             outputs=[b.outputs[0] for b in branches],

@@ -74,7 +74,7 @@ def walk_epilogue(graph: TopologyGraph, start: Layer, *, allow_affine: bool = Tr
             cur = nxt.outputs[0]
             break
         if nxt.op_type in CHAIN_OPS and nxt.op_type != "Sigmoid" and allow_affine:
-            reason = affine_reason(graph, nxt, cur)
+            reason = affine_reason(graph, nxt, cur) or _runtime_weights_reason(graph, start)
             if reason is not None:
                 stopped = reason
                 break
@@ -90,6 +90,16 @@ def walk_epilogue(graph: TopologyGraph, start: Layer, *, allow_affine: bool = Tr
         )
         break
     return {"layers": layers, "epilogue": epilogue, "stopped": stopped, "output": cur, "candidate": candidate}
+
+
+def _runtime_weights_reason(graph: TopologyGraph, start: Layer) -> Optional[str]:
+    """Folding rewrites W and b at compile time: they must be constants."""
+    if start.op_type != "Conv":
+        return None
+    runtime = [i for i in start.inputs[1:3] if i and not graph.is_constant(i)]
+    if runtime:
+        return f"conv {start.name!r} reads its weights {runtime[0]!r} at run time; folding needs constants"
+    return None
 
 
 def _has_bias(graph: TopologyGraph, conv: Layer) -> bool:

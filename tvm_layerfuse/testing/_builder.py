@@ -1,8 +1,8 @@
 """A small ONNX graph builder that writes graphs the way ``torch.onnx.export`` does.
 
 Shared by :mod:`.zoo` (fixed architectures) and :mod:`.graphgen` (random graphs). It
-tracks every tensor's static shape (NCHW), so builders can size weights and check that
-what they build is what ONNX shape inference derives.
+tracks every tensor's static shape (NCHW), so builders can size weights and declare the
+graph outputs' shapes (``onnx.checker``'s full check compares them with shape inference).
 
 What "the way torch writes it" means here (TorchScript exporter, eval mode, constant
 folding on):
@@ -18,7 +18,8 @@ folding on):
   (``transB=1``) classifiers.
 
 Parameters are drawn from one ``np.random.default_rng(seed)`` in a fixed order, so the
-``separate`` and ``folded`` forms of one model compute the same function.
+``separate`` and ``folded`` forms of one model compute the same function. BatchNorm
+running statistics are calibrated on a seeded batch (see "numpy forward pass" below).
 """
 
 from __future__ import annotations
@@ -35,16 +36,14 @@ Shape = tuple[int, ...]
 
 BN_MODES = ("separate", "folded")
 CLIP_FORMS = ("inputs", "attributes")
-# Default-domain opsets the builders accept: Gemm needs C before 11, which we always
-# give; opset 9 is the oldest whose BatchNormalization has no "spatial" attribute.
-MIN_OPSET = 9
+# Default-domain opsets the builders accept: 10 is the first whose MaxPool/AveragePool
+# take ceil_mode (torch cannot export ceil_mode=True below it).
+MIN_OPSET = 10
 MAX_OPSET = 21
 
 
 def ir_version_for(opset: int) -> int:
     """The IR version torch writes for ``opset`` (what onnxruntime expects with it)."""
-    if opset <= 8:
-        return 3
     if opset <= 10:
         return 5
     if opset <= 12:
@@ -102,6 +101,112 @@ def _pair(v: Union[int, Sequence[int]]) -> tuple[int, int]:
     return int(a), int(b)
 
 
+# ---------------------------------------------------------------------- numpy forward pass
+# The builder runs the graph on a calibration batch while it builds, so that every
+# BatchNormalization gets running statistics close to the real ones (its output is then
+# ~ gamma * N(0, 1) + beta) and activations stay O(1) however deep the net is. Exactness
+# does not matter here (these numbers only choose parameters); onnxruntime is the judge.
+
+CALIBRATION_SAMPLES = 16  # calibration images per declared batch element
+
+
+def _np_conv(x, w, b, *, strides, dilations, group, pads=(0, 0, 0, 0), auto_pad="NOTSET", **_):
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape  # [C_out, C_in/g, kh, kw]
+    sh, sw = strides
+    dh, dw = dilations
+    eh, ew = (kh - 1) * dh + 1, (kw - 1) * dw + 1
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = []
+        for size, s, e in ((h, sh, eh), (wd, sw, ew)):
+            total = max((-(-size // s) - 1) * s + e - size, 0)
+            small = total // 2
+            pads.append((total - small, small) if auto_pad == "SAME_LOWER" else (small, total - small))
+        (pt, pb), (pl, pr) = pads
+    elif auto_pad == "VALID":
+        pt = pb = pl = pr = 0
+    else:
+        pt, pl, pb, pr = pads
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    win = np.lib.stride_tricks.sliding_window_view(xp, (eh, ew), axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
+    oh, ow = win.shape[2], win.shape[3]
+    win = win.reshape(n, group, c // group, oh, ow, kh, kw)
+    wg = w.reshape(group, o // group, cg, kh, kw)
+    y = np.einsum("ngchwij,gocij->ngohw", win, wg, optimize=True).reshape(n, o, oh, ow)
+    if b is not None:
+        y = y + b.reshape(1, -1, 1, 1)
+    return y.astype(np.float32)
+
+
+def _np_pool(x, *, op, kernel_shape, strides, pads, ceil_mode=0, count_include_pad=0, **_):
+    n, c, h, w = x.shape
+    (kh, kw), (sh, sw) = kernel_shape, strides
+    pt, pl, pb, pr = pads
+    oh = pool_out(h, kh, sh, pt, pb, bool(ceil_mode))
+    ow = pool_out(w, kw, sw, pl, pr, bool(ceil_mode))
+    xb = max(0, (oh - 1) * sh + kh - (h + pt + pb))  # ceil-mode overhang
+    xr = max(0, (ow - 1) * sw + kw - (w + pl + pr))
+    fill = -np.inf if op == "MaxPool" else 0.0
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb + xb), (pl, pr + xr)), constant_values=fill)
+    win = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw][:, :, :oh, :ow]
+    if op == "MaxPool":
+        return win.max(axis=(-2, -1)).astype(np.float32)
+    mask = np.zeros((1, 1) + xp.shape[2:], np.float32)
+    if count_include_pad:
+        mask[..., : h + pt + pb, : w + pl + pr] = 1
+    else:
+        mask[..., pt : pt + h, pl : pl + w] = 1
+    mwin = np.lib.stride_tricks.sliding_window_view(mask, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw][:, :, :oh, :ow]
+    return (win.sum(axis=(-2, -1)) / np.maximum(mwin.sum(axis=(-2, -1)), 1)).astype(np.float32)
+
+
+def _np_eval(op: str, ins: list, attrs: dict):
+    """One op on numpy arrays (the subset the builders emit); None when not supported."""
+    if op == "Conv":
+        return _np_conv(ins[0], ins[1], ins[2] if len(ins) > 2 else None, **attrs)
+    if op in ("MaxPool", "AveragePool"):
+        return _np_pool(ins[0], op=op, **attrs)
+    if op == "BatchNormalization":
+        x, g, b, m, v = ins
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        eps = attrs.get("epsilon", 1e-5)
+        return ((x - m.reshape(shape)) / np.sqrt(v.reshape(shape) + eps) * g.reshape(shape) + b.reshape(shape)).astype(
+            np.float32
+        )
+    if op == "Relu":
+        return np.maximum(ins[0], 0)
+    if op == "LeakyRelu":
+        return np.where(ins[0] >= 0, ins[0], ins[0] * attrs.get("alpha", 0.01)).astype(np.float32)
+    if op == "Sigmoid":
+        with np.errstate(over="ignore"):
+            return (1.0 / (1.0 + np.exp(-ins[0]))).astype(np.float32)
+    if op == "Clip":
+        lo = ins[1] if len(ins) > 1 and ins[1] is not None else attrs.get("min")
+        hi = ins[2] if len(ins) > 2 and ins[2] is not None else attrs.get("max")
+        return np.clip(ins[0], lo, hi)
+    if op in ("Add", "Mul", "Sub", "Div"):
+        fn = {"Add": np.add, "Mul": np.multiply, "Sub": np.subtract, "Div": np.divide}[op]
+        return fn(ins[0], ins[1]).astype(np.float32)
+    if op == "Sum":
+        out = ins[0]
+        for v in ins[1:]:
+            out = out + v
+        return out.astype(np.float32)
+    if op == "Concat":
+        return np.concatenate(ins, axis=attrs["axis"])
+    if op == "GlobalAveragePool":
+        return ins[0].mean(axis=tuple(range(2, ins[0].ndim)), keepdims=True)
+    if op == "Flatten":
+        return ins[0].reshape(ins[0].shape[0], -1)
+    if op == "Gemm":
+        return (ins[0] @ ins[1].T + ins[2]).astype(np.float32)
+    if op in ("Identity", "Dropout"):
+        return ins[0]
+    if op == "Constant":
+        return numpy_helper.to_array(attrs["value"])
+    return None
+
+
 class NetBuilder:
     """Accumulate nodes, initializers and shapes; :meth:`build` returns the ModelProto."""
 
@@ -115,6 +220,7 @@ class NetBuilder:
         clip: str = "inputs",
         quirks: bool = True,
         identity_every: int = 5,
+        calibrate: bool = True,
     ) -> None:
         check_options(opset=opset, bn=bn, clip=clip)
         self.name = name
@@ -133,6 +239,9 @@ class NetBuilder:
         self._used_values: set[str] = set()
         self._onnx_counter = 100  # torch numbers anonymous values from some offset
         self._params = 0
+        # Calibration batch values (see "numpy forward pass" above); None: not tracked.
+        self.values: Optional[dict[str, np.ndarray]] = {} if calibrate else None
+        self._calib_rng = np.random.default_rng([seed, 0xCA11B])
 
     # ------------------------------------------------------------------ naming
     @contextlib.contextmanager
@@ -177,7 +286,14 @@ class NetBuilder:
         self._unique_value(name)
         self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape)))
         self.shapes[name] = shape
+        if self.values is not None:
+            calib = (shape[0] * CALIBRATION_SAMPLES,) + shape[1:]
+            self.values[name] = self._calib_rng.standard_normal(calib).astype(np.float32)
         return name
+
+    def value(self, name: str) -> Optional[np.ndarray]:
+        """The calibration-batch value of ``name``, when tracked."""
+        return None if self.values is None else self.values.get(name)
 
     def node(
         self,
@@ -194,12 +310,20 @@ class NetBuilder:
         for o, s in zip(outputs, out_shapes):
             if s is not None:
                 self.shapes[o] = tuple(int(d) for d in s)
+        if self.values is not None:
+            ins = [self.values.get(i) if i else None for i in inputs]
+            if all(v is not None for i, v in zip(inputs, ins) if i):
+                result = _np_eval(op, ins, attrs)
+                if result is not None and len(outputs) == 1:
+                    self.values[outputs[0]] = np.asarray(result, dtype=np.float32)
         return outputs
 
     def initializer(self, name: str, value: np.ndarray) -> str:
         self._unique_value(name)
         self.initializers.append(numpy_helper.from_array(np.asarray(value), name=name))
         self.shapes[name] = tuple(np.asarray(value).shape)
+        if self.values is not None:
+            self.values[name] = np.asarray(value)
         return name
 
     def param(self, leaf: str, value: np.ndarray, *, folded_from: Optional[str] = None) -> str:
@@ -213,20 +337,25 @@ class NetBuilder:
         if folded_from is not None:
             name = self._anon(folded_from)
         else:
-            path = self.module_path()
-            name = f"{path}.{leaf}" if path else f"param_{self._params}.{leaf}"
+            path = self.module_path() or "param"
+            name, k = f"{path}.{leaf}", 1
+            while name in self._used_values:  # several layers in one scope (random graphs)
+                name, k = f"{path}_{k}.{leaf}", k + 1
         if self.quirks and self.identity_every and self._params % self.identity_every == 0:
             src = self.initializer(name, value)
             out = self._unique_value(self._anon("Identity"))
             self.nodes.append(helper.make_node("Identity", [src], [out], name=f"Identity_{self._onnx_counter}"))
             self.shapes[out] = tuple(value.shape)
+            if self.values is not None:
+                self.values[out] = value
             return out
         return self.initializer(name, value)
 
-    def constant(self, value: Union[float, np.ndarray], *, dtype=np.float32) -> str:
-        """A constant operand: a ``Constant`` node (torch's way) with quirks on, else an initializer."""
+    def constant(self, value: Union[float, np.ndarray], *, dtype=np.float32, node: Optional[bool] = None) -> str:
+        """A constant operand: a ``Constant`` node (torch's way) or an initializer; ``node=None``
+        follows the builder's ``quirks``."""
         arr = np.asarray(value, dtype=dtype)
-        if self.quirks:
+        if self.quirks if node is None else node:
             (out,) = self.node("Constant", [], [arr.shape], value=numpy_helper.from_array(arr))
             return out
         return self.initializer(self._anon("Constant"), arr)
@@ -242,15 +371,30 @@ class NetBuilder:
         bound = 1.0 / math.sqrt(fan_in)
         return self.rng.uniform(-bound, bound, cout).astype(np.float32)
 
-    def bn_params(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def bn_params(
+        self, c: int, observed: Optional[np.ndarray] = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """gamma, beta, running mean, running var for ``c`` channels.
+
+        With ``observed`` (the normalised tensor on the calibration batch, ``[N, C, ...]``)
+        the running statistics are its per-channel mean and variance, slightly jittered;
+        otherwise they are near (0, 1). The same random numbers are drawn either way.
+        """
         gamma = self.rng.uniform(0.5, 1.5, c).astype(np.float32)
         beta = self.rng.normal(0.0, 0.1, c).astype(np.float32)
-        mean = self.rng.normal(0.0, 0.1, c).astype(np.float32)
-        var = self.rng.uniform(0.5, 1.5, c).astype(np.float32)
-        return gamma, beta, mean, var
+        z_mean = self.rng.standard_normal(c)
+        z_var = self.rng.uniform(0.8, 1.25, c)
+        if observed is not None:
+            axes = (0,) + tuple(range(2, observed.ndim))
+            m = observed.mean(axis=axes, dtype=np.float64)
+            v = np.maximum(observed.var(axis=axes, dtype=np.float64), 1e-3)
+            mean, var = m + 0.1 * np.sqrt(v) * z_mean, v * z_var
+        else:
+            mean, var = 0.1 * z_mean, z_var
+        return gamma, beta, mean.astype(np.float32), var.astype(np.float32)
 
     # ------------------------------------------------------------------ layers
-    def conv(
+    def conv_geometry(
         self,
         x: str,
         cout: int,
@@ -260,13 +404,11 @@ class NetBuilder:
         pad: Union[int, Sequence[int]] = 0,
         dilation: Union[int, Sequence[int]] = 1,
         groups: int = 1,
-        bias: bool = True,
-        weight: Optional[np.ndarray] = None,
-        bias_value: Optional[np.ndarray] = None,
-        folded: bool = False,
         auto_pad: Optional[str] = None,
-    ) -> str:
-        """Conv2d. ``pad`` is an int, (ph, pw), or the ONNX 4-tuple (top, left, bottom, right)."""
+    ) -> tuple[dict, Shape]:
+        """The Conv attributes (torch spells out all of them) and the output shape of a conv
+        on ``x``; ValueError when the channels do not split into ``groups`` or the output is empty.
+        ``pad`` is an int, (ph, pw), or the ONNX 4-tuple (top, left, bottom, right)."""
         n, cin, h, w = self.shapes[x]
         kh, kw = _pair(kernel)
         sh, sw = _pair(stride)
@@ -277,18 +419,10 @@ class NetBuilder:
         else:
             pads = [int(p) for p in pad]
         if cin % groups or cout % groups:
-            raise ValueError(f"conv on {x!r}: channels {cin}->{cout} not divisible by groups={groups}")
-        if weight is None:
-            weight = self.he_weight(cout, cin // groups, kh, kw)
-        if bias and bias_value is None:
-            bias_value = self.uniform_bias(cout, cin // groups * kh * kw)
-        w_name = self.param("weight", weight, folded_from="Conv" if folded else None)
-        inputs = [x, w_name]
-        if bias:
-            inputs.append(self.param("bias", bias_value, folded_from="Conv" if folded else None))
+            raise ValueError(f"conv on {x!r}: channels {cin}->{cout} are not divisible by groups={groups}")
         if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
             oh, ow = -(-h // sh), -(-w // sw)
-            attrs = dict(auto_pad=auto_pad)
+            attrs: dict = dict(auto_pad=auto_pad)
         elif auto_pad == "VALID":
             oh, ow = conv_out(h, kh, sh, 0, 0, dh), conv_out(w, kw, sw, 0, 0, dw)
             attrs = dict(auto_pad=auto_pad)
@@ -298,21 +432,43 @@ class NetBuilder:
             attrs = dict(pads=pads)
         if oh < 1 or ow < 1:
             raise ValueError(f"conv on {x!r} of shape {[n, cin, h, w]} with kernel {kh}x{kw} gives an empty output")
-        (out,) = self.node(
-            "Conv",
-            inputs,
-            [(n, cout, oh, ow)],
-            dilations=[dh, dw],
-            group=groups,
-            kernel_shape=[kh, kw],
-            strides=[sh, sw],
-            **attrs,
-        )
-        return out
+        attrs.update(dilations=[dh, dw], group=groups, kernel_shape=[kh, kw], strides=[sh, sw])
+        return dict(sorted(attrs.items())), (n, cout, oh, ow)
+
+    def conv(
+        self,
+        x: str,
+        cout: int,
+        kernel: Union[int, Sequence[int]],
+        *,
+        bias: bool = True,
+        weight: Union[np.ndarray, str, None] = None,
+        bias_value: Optional[np.ndarray] = None,
+        folded: bool = False,
+        **geometry,
+    ) -> str:
+        """Conv2d (geometry keywords: see :meth:`conv_geometry`).
+
+        ``weight`` may name an existing tensor (weights shared with another conv)."""
+        attrs, out_shape = self.conv_geometry(x, cout, kernel, **geometry)
+        cin_per_group = self.shapes[x][1] // attrs["group"]
+        kh, kw = attrs["kernel_shape"]
+        if weight is None:
+            weight = self.he_weight(cout, cin_per_group, kh, kw)
+        if bias and bias_value is None:
+            bias_value = self.uniform_bias(cout, cin_per_group * kh * kw)
+        if isinstance(weight, str):  # an existing tensor: weights shared with another layer
+            w_name = weight
+        else:
+            w_name = self.param("weight", weight, folded_from="Conv" if folded else None)
+        inputs = [x, w_name]
+        if bias:
+            inputs.append(self.param("bias", bias_value, folded_from="Conv" if folded else None))
+        return self.node("Conv", inputs, [out_shape], **attrs)[0]
 
     def batchnorm(self, x: str, *, eps: float = 1e-5, params=None) -> str:
         c = self.shapes[x][1]
-        gamma, beta, mean, var = params if params is not None else self.bn_params(c)
+        gamma, beta, mean, var = params if params is not None else self.bn_params(c, self.value(x))
         inputs = [
             x,
             self.param("weight", gamma),
@@ -346,7 +502,11 @@ class NetBuilder:
         groups = conv_kw.get("groups", 1)
         kh, kw = _pair(kernel)
         weight = self.he_weight(cout, cin // groups, kh, kw)  # [C_out, C_in/g, kh, kw]
-        gamma, beta, mean, var = self.bn_params(cout)
+        observed = None
+        if self.value(x) is not None:  # the conv's output on the calibration batch
+            attrs, _ = self.conv_geometry(x, cout, kernel, **conv_kw)
+            observed = _np_conv(self.value(x), weight, None, **attrs)
+        gamma, beta, mean, var = self.bn_params(cout, observed)
         conv_ctx = self.scope(conv_scope) if conv_scope is not None else contextlib.nullcontext()
         bn_ctx = self.scope(bn_scope) if bn_scope is not None else contextlib.nullcontext()
         if self.bn_mode == "folded":
@@ -400,11 +560,15 @@ class NetBuilder:
         shapes = [self.shapes[n] for n in names]
         return tuple(int(d) for d in np.broadcast_shapes(*shapes))
 
+    def binary(self, op: str, a: str, b: str) -> str:
+        """An element-wise binary op (Add, Sub, Mul, Div) with ONNX broadcasting."""
+        return self.node(op, [a, b], [self._broadcast(a, b)])[0]
+
     def add(self, a: str, b: str) -> str:
-        return self.node("Add", [a, b], [self._broadcast(a, b)])[0]
+        return self.binary("Add", a, b)
 
     def mul(self, a: str, b: str) -> str:
-        return self.node("Mul", [a, b], [self._broadcast(a, b)])[0]
+        return self.binary("Mul", a, b)
 
     def sum(self, *xs: str) -> str:
         return self.node("Sum", list(xs), [self._broadcast(*xs)])[0]
@@ -471,8 +635,12 @@ class NetBuilder:
             return self.linear(x, num_classes)
 
     # ------------------------------------------------------------------ finish
-    def build(self, outputs: Union[Sequence[str], dict[str, str]], *, doc: str = "") -> onnx.ModelProto:
-        """The model with ``outputs`` as graph outputs (a dict renames them, torch's ``output_names``)."""
+    def build(
+        self, outputs: Union[Sequence[str], dict[str, str]], *, doc: str = "", node_names: bool = True
+    ) -> onnx.ModelProto:
+        """The model with ``outputs`` as graph outputs (a dict renames them, torch's ``output_names``).
+
+        ``node_names=False`` leaves every node unnamed, as some converters do."""
         renames = dict(outputs) if isinstance(outputs, dict) else {}
         out_names = list(renames) if renames else list(outputs)
         if renames:
@@ -486,6 +654,9 @@ class NetBuilder:
                         node.input[i] = inverse[v]
             for old, new in inverse.items():
                 self.shapes[new] = self.shapes[old]
+        if not node_names:
+            for node in self.nodes:
+                node.name = ""
         graph = helper.make_graph(
             self.nodes,
             self.name,

@@ -1,0 +1,50 @@
+"""Test-model sources for tvm_layerfuse (no PyTorch needed).
+
+* :mod:`.zoo` - torchvision architectures (GoogLeNet, Inception v3, ResNet-50, DenseNet-121,
+  SqueezeNet 1.1, MobileNetV2, an EfficientNet-like net) built as ``torch.onnx.export``
+  writes them, small enough to compile quickly; plus the ONNX "light" model-zoo networks.
+* :mod:`.graphgen` - random valid CNN graphs for differential fuzzing: hypothesis
+  strategies (:func:`~.graphgen.cnn_graphs`) and a plain seeded :func:`~.graphgen.random_cnn`.
+* :mod:`.checks` - the onnxruntime reference run and the fusion plan's invariants.
+
+``graphgen`` imports hypothesis only when its strategies are used.
+"""
+
+from ._builder import NetBuilder, model_inputs, random_inputs
+from .checks import plan_violations, run_onnxruntime
+from .graphgen import CNNCase, GraphOptions, cnn_graphs, random_cnn, random_cnn_case
+from .zoo import (
+    BUILDERS,
+    densenet121,
+    efficientnet_like,
+    googlenet,
+    inception_v3,
+    light_models,
+    light_reference,
+    mobilenet_v2,
+    resnet50,
+    squeezenet1_1,
+)
+
+__all__ = [
+    "BUILDERS",
+    "CNNCase",
+    "GraphOptions",
+    "NetBuilder",
+    "cnn_graphs",
+    "densenet121",
+    "efficientnet_like",
+    "googlenet",
+    "inception_v3",
+    "light_models",
+    "light_reference",
+    "mobilenet_v2",
+    "model_inputs",
+    "plan_violations",
+    "random_cnn",
+    "random_cnn_case",
+    "random_inputs",
+    "resnet50",
+    "run_onnxruntime",
+    "squeezenet1_1",
+]
