@@ -1,0 +1,378 @@
+"""Epilogue and element-wise merges on Relax: FuseConv2DEpilogue and the kernels it yields.
+
+Structural tests write ``Before`` / ``Expected`` in TVMScript and compare with
+``tvm.ir.assert_structural_equal``. Numeric tests build small ONNX graphs, compile them
+fused and unfused (TVM's default pipeline) and compare both with onnxruntime
+(optimisations off, max |a - b| / max |reference| <= RTOL = 1e-4); each fused group must
+be exactly one kernel launch. One test runs a real network from the ONNX model zoo.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from graphs import RTOL, Net, feeds_for, rel_err, run_ort
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from tvm_layerfuse.relax import FuseConv2DEpilogue
+from tvm_layerfuse.relax.fuse_epilogue import EpilogueSpec
+from tvm_layerfuse.relax.pipeline import build, count_kernels, fuse_with_report, kernel_count, run, unfused
+from tvm_layerfuse.testing.zoo import light_models
+from tvm_layerfuse.topology import read_onnx
+from tvm_layerfuse.topology.materialize import materialize_constants
+
+TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+
+
+def compile_and_compare(model: onnx.ModelProto, *, seed: int = 1):
+    """Fused and unfused TVM builds of ``model`` against onnxruntime; returns (fuse result, fused kernels)."""
+    feeds = feeds_for(model, seed=seed)
+    expected = run_ort(model, feeds)
+    result = fuse_with_report(model)
+    fused_ex = build(result.mod, target=TARGET)
+    got = run(fused_ex, list(feeds.values()))
+    base = run(build(unfused(model), target=TARGET), list(feeds.values()))
+    for e, g, b in zip(expected, got, base):
+        assert g.shape == e.shape
+        assert rel_err(e, g) <= RTOL, f"fused vs onnxruntime: {rel_err(e, g):.3g}"
+        assert rel_err(e, b) <= RTOL, f"unfused vs onnxruntime: {rel_err(e, b):.3g}"
+        assert rel_err(b, g) <= RTOL, f"fused vs unfused: {rel_err(b, g):.3g}"
+    kernels = kernel_count(fused_ex)
+    # every group is exactly one kernel launch, named after its template
+    ours = [n for n in kernels.names if n.startswith("layerfuse_")]
+    assert len(ours) == len(result.report["groups"]), (kernels.names, result.report["groups"])
+    return result, kernels
+
+
+# =========================================================================== structural
+
+
+def test_conv_bias_residual_relu_becomes_one_function():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(
+            x: R.Tensor((1, 4, 8, 8), "float32"),
+            r: R.Tensor((1, 8, 8, 8), "float32"),
+            w: R.Tensor((8, 4, 3, 3), "float32"),
+            b: R.Tensor((8,), "float32"),
+        ) -> R.Tensor((1, 8, 8, 8), "float32"):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                lv0 = R.nn.conv2d(x, w, padding=[1, 1, 1, 1])
+                lv1 = R.reshape(b, R.shape([1, 8, 1, 1]))
+                lv2 = R.add(lv0, lv1)
+                lv3 = R.add(r, lv2)
+                gv = R.nn.relu(lv3)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function(private=True)
+        def layerfuse_conv2d_bias_add_relu(
+            x: R.Tensor((1, 4, 8, 8), "float32"),
+            w: R.Tensor((8, 4, 3, 3), "float32"),
+            bias: R.Tensor((1, 8, 1, 1), "float32"),
+            r: R.Tensor((1, 8, 8, 8), "float32"),  # the extra input
+        ) -> R.Tensor((1, 8, 8, 8), "float32"):
+            R.func_attr({"Composite": "layerfuse_conv2d_bias_add_relu", "Primitive": True})
+            with R.dataflow():
+                lv0 = R.nn.conv2d(x, w, padding=[1, 1, 1, 1])
+                lv2 = R.add(lv0, bias)
+                lv3 = R.add(lv2, r)
+                gv = R.nn.relu(lv3)
+                R.output(gv)
+            return gv
+
+        @R.function
+        def main(
+            x: R.Tensor((1, 4, 8, 8), "float32"),
+            r: R.Tensor((1, 8, 8, 8), "float32"),
+            w: R.Tensor((8, 4, 3, 3), "float32"),
+            b: R.Tensor((8,), "float32"),
+        ) -> R.Tensor((1, 8, 8, 8), "float32"):
+            R.func_attr({"num_input": 2})
+            cls = Expected
+            with R.dataflow():
+                lv1 = R.reshape(b, R.shape([1, 8, 1, 1]))
+                gv = cls.layerfuse_conv2d_bias_add_relu(x, w, lv1, r)
+                R.output(gv)
+            return gv
+
+    p = FuseConv2DEpilogue()
+    after = p(Before)
+    tvm.ir.assert_structural_equal(after, Expected)
+    assert "R.nn.relu" in Before["main"].script()  # the input module is left as it was
+    assert p.groups == [
+        {
+            "function": "layerfuse_conv2d_bias_add_relu",
+            "template": "layerfuse_conv2d_bias_add_relu",
+            "conv_weight": ["w"],
+            "extra_input": "r",
+            "var": "gv",
+        }
+    ]
+
+
+@I.ir_module
+class TwoBranches:
+    """A residual block's join: two conv + bias chains added, then relu."""
+
+    @R.function
+    def main(
+        x: R.Tensor((1, 4, 8, 8), "float32"),
+        w1: R.Tensor((8, 4, 3, 3), "float32"),
+        b1: R.Tensor((1, 8, 1, 1), "float32"),
+        w2: R.Tensor((8, 4, 1, 1), "float32"),
+        b2: R.Tensor((1, 8, 1, 1), "float32"),
+    ) -> R.Tensor((1, 8, 8, 8), "float32"):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            a0 = R.nn.conv2d(x, w1, padding=[1, 1, 1, 1])
+            a1 = R.add(a0, b1)
+            c0 = R.nn.conv2d(x, w2)
+            c1 = R.add(c0, b2)
+            s = R.add(a1, c1)
+            gv = R.nn.relu(s)
+            R.output(gv)
+        return gv
+
+
+@pytest.mark.parametrize(
+    "plan_spec, absorbs, alone",
+    [
+        (None, "w2", "w1"),  # no plan: the later conv absorbs the add (its operand is ready)
+        ({"w1": EpilogueSpec("add", "relu"), "w2": EpilogueSpec()}, "w1", "w2"),  # the plan decides
+    ],
+)
+def test_the_chosen_conv_absorbs_a_residual_add_of_two_conv_chains(plan_spec, absorbs, alone):
+    p = FuseConv2DEpilogue(plan_spec=plan_spec)
+    p(TwoBranches)
+    by_template = {g["template"]: g for g in p.groups}
+    assert set(by_template) == {"layerfuse_conv2d_bias_add_relu", "layerfuse_conv2d_bias"}
+    assert by_template["layerfuse_conv2d_bias_add_relu"]["conv_weight"] == [absorbs]
+    assert by_template["layerfuse_conv2d_bias"]["conv_weight"] == [alone]
+    assert by_template["layerfuse_conv2d_bias_add_relu"]["extra_input"] is not None
+
+
+def test_a_value_read_outside_the_group_stops_the_group_before_it():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(
+            x: R.Tensor((1, 4, 8, 8), "float32"),
+            r: R.Tensor((1, 8, 8, 8), "float32"),
+            w: R.Tensor((8, 4, 3, 3), "float32"),
+            b: R.Tensor((1, 8, 1, 1), "float32"),
+        ) -> R.Tuple(R.Tensor((1, 8, 8, 8), "float32"), R.Tensor((1, 8, 8, 8), "float32")):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                lv0 = R.nn.conv2d(x, w, padding=[1, 1, 1, 1])
+                lv1 = R.add(lv0, b)
+                lv2 = R.add(lv1, r)
+                lv3 = R.nn.relu(lv2)
+                lv4 = R.multiply(lv1, r)  # lv1 is needed outside any longer group
+                gv = (lv3, lv4)
+                R.output(gv)
+            return gv
+
+    p = FuseConv2DEpilogue()
+    after = p(Before)
+    assert [g["template"] for g in p.groups] == ["layerfuse_conv2d_bias"]
+    assert any("lv1 is also read by lv4" in r["reason"] for r in p.refused), p.refused
+    assert "R.nn.relu(lv2)" in after.script()  # left for TVM's FuseOps
+
+
+def test_a_run_time_operand_is_an_extra_input_not_a_bias():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(
+            x: R.Tensor((1, 4, 8, 8), "float32"),
+            r: R.Tensor((1, 8, 8, 8), "float32"),
+            w: R.Tensor((8, 4, 3, 3), "float32"),
+        ) -> R.Tensor((1, 8, 8, 8), "float32"):
+            R.func_attr({"num_input": 2})
+            with R.dataflow():
+                lv0 = R.nn.conv2d(x, w, padding=[1, 1, 1, 1])
+                lv1 = R.multiply(lv0, r)
+                gv = R.nn.leakyrelu(lv1, alpha=0.2)
+                R.output(gv)
+            return gv
+
+    p = FuseConv2DEpilogue()
+    p(Before)
+    assert [(g["template"], g["extra_input"]) for g in p.groups] == [("layerfuse_conv2d_mul_leakyrelu", "r")]
+
+
+def test_the_plan_can_refuse_an_activation():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(
+            x: R.Tensor((1, 4, 8, 8), "float32"),
+            w: R.Tensor((8, 4, 3, 3), "float32"),
+            b: R.Tensor((1, 8, 1, 1), "float32"),
+        ) -> R.Tensor((1, 8, 8, 8), "float32"):
+            R.func_attr({"num_input": 1})
+            with R.dataflow():
+                lv0 = R.nn.conv2d(x, w, padding=[1, 1, 1, 1])
+                lv1 = R.add(lv0, b)
+                gv = R.nn.relu(lv1)
+                R.output(gv)
+            return gv
+
+    p = FuseConv2DEpilogue(plan_spec={"w": EpilogueSpec()})
+    after = p(Before)
+    assert [g["template"] for g in p.groups] == ["layerfuse_conv2d_bias"]
+    assert any("the plan merges activation None" in r["reason"] for r in p.refused)
+    assert "R.nn.relu" in after["main"].script()
+
+
+def _conv_then_activation(activation):
+    bb = tvm.relax.BlockBuilder()
+    x = tvm.relax.Var("x", tvm.relax.TensorType((1, 4, 8, 8), "float32"))
+    w = tvm.relax.Var("w", tvm.relax.TensorType((8, 4, 3, 3), "float32"))
+    with bb.function("main", [x, w], attrs={"num_input": 1}):
+        with bb.dataflow():
+            conv = bb.emit(tvm.relax.op.nn.conv2d(x, w, padding=[1, 1, 1, 1]))
+            out = bb.emit_output(activation(conv))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize(
+    "activation, template",
+    [
+        (lambda y: tvm.relax.op.clip(y, 0, 6), "layerfuse_conv2d_clip"),  # R.clip, as other frontends write it
+        (tvm.relax.op.nn.silu, "layerfuse_conv2d_silu"),
+        (lambda y: tvm.relax.op.maximum(y, tvm.relax.const(0.0, "float32")), "layerfuse_conv2d_clip"),
+        (tvm.relax.op.nn.relu, "layerfuse_conv2d_relu"),
+    ],
+)
+def test_activation_spellings(activation, template):
+    p = FuseConv2DEpilogue()
+    p(_conv_then_activation(activation))
+    assert [g["template"] for g in p.groups] == [template]
+
+
+# =========================================================================== numbers
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_residual_add_of_two_convs_then_relu_matches_onnxruntime(batch):
+    net = Net(seed=50 + batch)
+    x = net.input("x", (batch, 8, 16, 16))
+    a = net.relu(net.bn(net.conv(x, 8, name="branch2a")))
+    a = net.bn(net.conv(a, 16, name="branch2b"))
+    s = net.bn(net.conv(x, 16, k=1, name="branch1"))
+    y = net.relu(net.node("Add", [a, s]))
+    result, kernels = compile_and_compare(net.build([y]))
+    templates = sorted(g["template"] for g in result.report["groups"])
+    assert templates == ["layerfuse_conv2d_bias", "layerfuse_conv2d_bias_add_relu", "layerfuse_conv2d_bias_relu"]
+    assert kernels.launches == 3
+    assert result.report["plan_check"]["eltwise_merged"] == {"plan": 1, "relax": 1}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_residual_from_the_graph_input_via_sum_matches_onnxruntime(batch):
+    net = Net(seed=60 + batch)
+    x = net.input("x", (batch, 8, 12, 12))
+    y = net.conv(x, 8)
+    y = net.relu(net.node("Sum", [y, x]))
+    result, kernels = compile_and_compare(net.build([y]))
+    assert kernels.names == ("layerfuse_conv2d_bias_add_relu",)
+    assert result.report["groups"][0]["extra_input"] == "x"
+
+
+@pytest.mark.parametrize("activation", ["silu", "clip", "leakyrelu"])
+def test_activations_fuse_into_the_conv_kernel(activation):
+    net = Net(seed=70)
+    x = net.input("x", (2, 8, 12, 12))
+    y = net.bn(net.conv(x, 8))
+    if activation == "silu":
+        y = net.node("Mul", [y, net.node("Sigmoid", [y])])
+    elif activation == "clip":
+        y = net.node("Clip", [y, net.const(np.float32(-1.0)), net.const(np.float32(1.5))])
+    else:
+        y = net.node("LeakyRelu", [y], alpha=0.1)
+    result, kernels = compile_and_compare(net.build([y]))
+    assert kernels.names == (f"layerfuse_conv2d_bias_{activation}",)
+
+
+def test_fused_kernels_are_fewer_than_tvms_own_on_a_residual_block():
+    net = Net(seed=80)
+    x = net.input("x", (1, 8, 16, 16))
+    y = net.relu(net.bn(net.conv(x, 8)))
+    y = net.relu(net.node("Add", [net.bn(net.conv(y, 8)), x]))
+    model = net.build([y])
+    fused = fuse_with_report(model).mod
+    # TVM alone: conv+bias, batch_norm+relu, conv+bias, batch_norm+add+relu
+    assert count_kernels(unfused(model)) == 4
+    assert count_kernels(fused) == 2
+
+
+# =========================================================================== a real network
+
+
+def _randomize_weights(model: onnx.ModelProto, *, seed: int) -> onnx.ModelProto:
+    """The zoo's "light" models carry constant-filled weights (every output equal): give
+    them seeded random ones so the comparison means something. Convs He-normal, BatchNorm
+    statistics near identity."""
+    graph = read_onnx(model)
+    out = materialize_constants(model, graph)
+    rng = np.random.default_rng(seed)
+    role = {}
+    for node in out.graph.node:
+        if node.op_type == "BatchNormalization":
+            for tag, name in zip(("scale", "bias", "mean", "var"), node.input[1:5]):
+                role[name] = tag
+        elif node.op_type in ("Conv", "Gemm", "MatMul") and len(node.input) > 1:
+            role[node.input[1]] = "weight"
+    inits = []
+    for t in out.graph.initializer:
+        v = onnx.numpy_helper.to_array(t)
+        if v.dtype != np.float32:
+            inits.append(t)
+            continue
+        tag = role.get(t.name, "bias")
+        if tag == "weight":
+            fan_in = int(np.prod(v.shape[1:])) if v.ndim > 1 else v.shape[0]
+            new = rng.standard_normal(v.shape) * np.sqrt(2.0 / max(fan_in, 1))
+        elif tag in ("scale", "var"):
+            new = rng.uniform(0.5, 1.5, v.shape)
+        else:
+            new = rng.standard_normal(v.shape) * 0.1
+        inits.append(onnx.numpy_helper.from_array(new.astype(np.float32), t.name))
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(inits)
+    return out
+
+
+def test_light_resnet50_matches_onnxruntime_with_fewer_kernels():
+    """ONNX model zoo ResNet-50 (Caffe2 export: Conv -> BatchNormalization -> Relu, Sum
+    residuals) at batch 1, 224x224, random weights. ~15 s on 2 cores (measured)."""
+    path = light_models().get("resnet50")
+    if path is None:
+        pytest.skip("this onnx installation ships no light_resnet50")
+    model = _randomize_weights(onnx.load(str(path)), seed=7)
+    feeds = feeds_for(model, seed=8)
+    expected = run_ort(model, feeds)[0]
+    start = time.perf_counter()
+    result = fuse_with_report(model)
+    ex = build(result.mod, target=TARGET)
+    got = run(ex, list(feeds.values()))[0]
+    elapsed = time.perf_counter() - start
+    assert rel_err(expected, got) <= RTOL, f"fused ResNet-50 vs onnxruntime: {rel_err(expected, got):.3g}"
+    check = result.report["plan_check"]
+    assert check["batchnorm_folded"] == {"plan": 53, "relax": 53}
+    assert check["eltwise_merged"] == {"plan": 16, "relax": 16}
+    ours, tvm_default = count_kernels(ex), count_kernels(unfused(model))
+    assert (tvm_default, ours) == (107, 58), "kernels per inference: TVM default pipeline vs ours"
+    assert elapsed < 120, f"fuse + build + run took {elapsed:.0f} s"

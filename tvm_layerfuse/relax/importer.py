@@ -1,0 +1,203 @@
+"""Import an ONNX model into a Relax IRModule whose weights are function parameters.
+
+Steps::
+
+    read_onnx                 first topology graph (checks the model, fixes input shapes)
+    materialize_constants     ConstantOfShape/Constant weight chains -> initializers
+    canonicalize (ONNX)       Sum(a, b, ...) -> Add(Add(a, b), ...)
+    from_onnx(keep_params_in_input=True)
+    canonicalize (Relax)      call_tir(topi.maximum/minimum) -> R.maximum/R.minimum
+    detach_params             weights leave the module; their values come back as a dict
+
+After this every weight is a parameter of ``main`` named after its ONNX tensor (input 1
+of an ONNX Conv names the conv2d weight), ``main`` has ``num_input`` set, and the values
+are in ``params``. The layerfuse passes rewrite weight *expressions*; binding the values
+(``relax.transform.BindParams("main", params)``) and ``FoldConstant`` come last.
+
+Why the two canonicalisations (both compute exactly the same function):
+
+* TVM imports ONNX ``Sum`` as ``broadcast_to`` + ``stack`` + a ``sum`` reduction, a kernel
+  no elementwise fusion can join; a chain of ``Add`` is what every ResNet residual means.
+* TVM imports ``Clip`` (opset >= 11) as two already-lowered ``call_tir`` kernels
+  (``topi.maximum`` / ``topi.minimum`` against the NaN-sanitised bounds). They are turned
+  back into ``R.maximum`` / ``R.minimum`` (which legalise to the same ``topi`` functions),
+  so that patterns can see a clip; the PrimFunc is compared structurally with the
+  ``topi`` one before it is replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import onnx
+import tvm
+from tvm import relax
+
+from ..errors import LayerfuseError
+from ..topology.graph import TopologyGraph
+from ..topology.materialize import materialize_constants
+from ..topology.onnx_reader import ModelSource, load_model, read_onnx
+
+log = logging.getLogger(__name__)
+
+
+class UnsupportedOpError(LayerfuseError):
+    """TVM's ONNX importer has no converter for an op the model uses."""
+
+
+class RelaxImportError(LayerfuseError):
+    """TVM's ONNX importer failed on the model for another reason."""
+
+
+def import_onnx(
+    model_or_path: Union[ModelSource, onnx.ModelProto],
+    *,
+    input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+    canonicalize: bool = True,
+) -> tuple[tvm.IRModule, dict[str, np.ndarray], TopologyGraph]:
+    """Import an ONNX model: ``(IRModule with weights as parameters, {name: value}, first graph)``.
+
+    ``input_shapes`` overrides graph input shapes (e.g. the batch size). ``canonicalize``
+    applies the two rewrites of the module doc (on by default; off gives TVM's raw import).
+    """
+    if isinstance(model_or_path, onnx.ModelProto):
+        model, label = model_or_path, None
+    else:
+        model, label = load_model(model_or_path), Path(model_or_path).name
+    graph = read_onnx(model, input_shapes=input_shapes, name=label)
+    prepared = materialize_constants(model, graph)
+    if canonicalize:
+        prepared = _sum_to_add(prepared)
+    shape_dict = {name: [int(d) for d in graph.tensor(name).shape] for name in graph.inputs}
+    dtype_dict = {name: graph.tensor(name).dtype or "float32" for name in graph.inputs}
+    mod = _from_onnx(prepared, label=graph.name, shape_dict=shape_dict, dtype_dict=dtype_dict)
+    if canonicalize:
+        mod = te_min_max_to_ops(mod)
+    mod, detached = relax.frontend.detach_params(mod)
+    main = mod["main"]
+    num_input = int(main.attrs["num_input"])
+    values = detached.get("main", [])
+    weights = main.params[num_input:]
+    if len(weights) != len(values):
+        raise RelaxImportError(
+            f"TVM's importer gave {len(values)} weight values for {len(weights)} weight parameters of "
+            f"model {graph.name!r}; expected one each - report this with the model"
+        )
+    params = {var.name: value.numpy() for var, value in zip(weights, values)}
+    log.info("imported %s: %d weight parameters", graph.name, len(params))
+    return mod, params, graph
+
+
+def _from_onnx(model: onnx.ModelProto, *, label: str, shape_dict: dict, dtype_dict: dict) -> tvm.IRModule:
+    import tvm.relax.frontend.onnx  # noqa: F401  (registers the frontend; not imported by tvm.relax)
+
+    try:
+        return tvm.relax.frontend.onnx.from_onnx(
+            model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True
+        )
+    except tvm.error.OpNotImplemented as e:
+        detail = _first_line(e).split(":", 1)[-1].strip()
+        raise UnsupportedOpError(
+            f"model {label!r} uses ops TVM's ONNX importer does not support ({detail}); "
+            "expected ops TVM 0.27 converts - replace them (e.g. re-export with a lower opset) or "
+            "register a converter in tvm.relax.frontend.onnx"
+        ) from None
+    except Exception as e:  # the importer raises ValueError, TVMError, KeyError ... for bad input
+        raise RelaxImportError(
+            f"TVM's ONNX importer failed on model {label!r}: {type(e).__name__}: {_first_line(e)}; "
+            "check that onnx.checker and onnxruntime accept the model"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [l for l in text.splitlines() if l.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+# ---------------------------------------------------------------------- ONNX rewrites
+def _sum_to_add(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``Sum(a, b, c)`` -> ``Add(Add(a, b), c)`` (same broadcasting, same order of addition);
+    ``Sum(a)`` -> ``Identity(a)``."""
+    if not any(n.op_type == "Sum" and n.domain in ("", "ai.onnx") for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = []
+    for node in out.graph.node:
+        if node.op_type != "Sum" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        inputs = list(node.input)
+        name = node.name or node.output[0]
+        if len(inputs) == 1:
+            nodes.append(onnx.helper.make_node("Identity", inputs, list(node.output), name=name))
+            continue
+        acc = inputs[0]
+        for k, nxt in enumerate(inputs[1:], start=1):
+            last = k == len(inputs) - 1
+            result = node.output[0] if last else f"{node.output[0]}__sum{k}"
+            nodes.append(onnx.helper.make_node("Add", [acc, nxt], [result], name=name if last else f"{name}__sum{k}"))
+            acc = result
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+# ---------------------------------------------------------------------- Relax rewrites
+def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
+    """Replace ``call_tir`` of a PrimFunc that *is* ``topi.maximum``/``topi.minimum`` (checked
+    structurally for the call's shapes) by ``R.maximum``/``R.minimum``."""
+    from tvm.relax.dpl import GlobalVarPattern, is_op, rewrite_call, wildcard
+
+    pattern = is_op("relax.call_tir")(GlobalVarPattern(), wildcard())
+    replaced = []
+
+    def rewrite(orig: relax.Expr, _m: Any) -> relax.Expr:
+        gv, args = orig.args[0], orig.args[1]
+        func = mod[gv] if gv in mod.get_global_vars() else None
+        if not isinstance(func, tvm.tirx.PrimFunc) or not isinstance(args, relax.Tuple) or len(args.fields) != 2:
+            return orig
+        a, b = args.fields
+        for name, op in (("maximum", relax.op.maximum), ("minimum", relax.op.minimum)):
+            if _is_topi_binary(func, name, a, b):
+                replaced.append(gv.name_hint)
+                return op(a, b)
+        return orig
+
+    updates = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            before = len(replaced)
+            new = rewrite_call(pattern, rewrite, func)
+            if len(replaced) > before:
+                updates[gv] = new
+    if not updates:
+        return mod
+    mod = mod.clone()
+    for gv, func in updates.items():
+        mod[gv] = func
+    mod = relax.transform.DeadCodeElimination()(mod)
+    log.debug("call_tir of topi maximum/minimum turned into Relax ops: %s", sorted(set(replaced)))
+    return mod
+
+
+def _is_topi_binary(func: tvm.tirx.PrimFunc, name: str, a: relax.Expr, b: relax.Expr) -> bool:
+    from tvm import te, tirx, topi
+    import tvm_ffi
+
+    shapes = []
+    for e in (a, b):
+        ty = getattr(e, "ty", None)
+        shape = getattr(ty, "shape", None)
+        if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(d, tirx.IntImm) for d in shape.values):
+            return False
+        shapes.append([tirx.IntImm("int64", int(d.value)) for d in shape.values])
+    A = te.placeholder(shapes[0], str(a.ty.dtype), name="A")
+    B = te.placeholder(shapes[1], str(b.ty.dtype), name="B")
+    ref = te.create_prim_func([A, B, getattr(topi, name)(A, B)])
+    strip = lambda f: f.without_attr("global_symbol") if f.attrs is not None and "global_symbol" in f.attrs else f
+    return bool(tvm_ffi.structural_equal(strip(func), strip(ref), map_free_vars=True))
