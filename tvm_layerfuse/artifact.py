@@ -112,6 +112,7 @@ def write_artifact(out: Path, fill: Callable[[Path], dict[str, Any]], *, overwri
         raise UsageError(f"output {str(out)!r} exists and is not an artifact; refusing to replace it - choose another -o")
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an artifact is an ordinary directory
     except OSError as e:
         raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
     try:
@@ -135,6 +136,12 @@ def write_artifact(out: Path, fill: Callable[[Path], dict[str, Any]], *, overwri
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -93,6 +93,56 @@ def _verbosity_parent() -> argparse.ArgumentParser:
     return parent
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .build import compile_model
+
+    model = _model_arg(args.model)
+    out = Path(args.output) if args.output else Path(f"{model.stem}.{args.target}{'.' + args.arch if args.arch else ''}")
+    compile_model(
+        model,
+        out,
+        target=args.target,
+        arch=args.arch,
+        fuse=not args.no_fuse,
+        input_shapes=parse_input_shapes(args.input_shape),
+        force=args.force,
+        progress=not args.quiet and sys.stderr.isatty(),
+    )
+    _say(args, f"wrote artifact {out}")
+    if not args.quiet:
+        from .artifact import read_manifest
+
+        fusion = read_manifest(out)["fusion"]
+        if fusion.get("plan"):
+            c = fusion["plan"]
+            print(
+                f"merged: {c['vertical']} vertical, {c['horizontal']} horizontal, {c['eltwise']} element-wise, "
+                f"{c['concat_in_place']} in-place concat; {c['layers_first']} layers -> {c['kernels_second']} kernels planned"
+            )
+        if fusion.get("kernel_launches") is not None:
+            print(f"kernel launches per inference: {fusion['kernel_launches']}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runner import run_artifact
+
+    return run_artifact(args, Path(args.artifact), say=lambda m: _say(args, m))
+
+
+def cmd_bundle(args: argparse.Namespace) -> int:
+    from .bundle import make_bundle, size_of
+
+    out = make_bundle(Path(args.artifact), Path(args.output), python=args.python, force=args.force)
+    sizes = size_of(out)
+    _say(
+        args,
+        f"wrote bundle {out}: runtime {sizes['runtime_bytes'] / 2**20:.1f} MiB + weights "
+        f"{sizes['weights_bytes'] / 2**20:.1f} MiB; run it with: python3 {out}/run.py",
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tvm_layerfuse",
@@ -113,6 +163,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dot", metavar="FILE", help="write both graphs side by side as Graphviz DOT")
     p.add_argument("--svg", metavar="FILE", help="draw both graphs side by side as SVG (needs Graphviz's dot)")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("compile", parents=[_verbosity_parent()], help="compile a model into a device-executable artifact")
+    _add_model_args(p)
+    p.add_argument("--target", default="cpu", help="target preset (cpu, aarch64, cuda) or a preset JSON file")
+    p.add_argument("--arch", help="GPU architecture for --target cuda: sm_80, sm_87 (Jetson Orin), sm_90, ...")
+    p.add_argument("-o", "--output", metavar="DIR", help="artifact directory (default MODEL.TARGET[.ARCH])")
+    p.add_argument("--no-fuse", action="store_true", help="build with TVM's default pipeline only, for comparison")
+    p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    p.set_defaults(func=cmd_compile)
+
+    from .runner import add_run_arguments
+
+    p = sub.add_parser("run", parents=[_verbosity_parent()], help="run an artifact on inputs with the TVM runtime")
+    p.add_argument("artifact", help="artifact directory written by compile")
+    add_run_arguments(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bundle", parents=[_verbosity_parent()], help="a runtime-only directory for a machine without TVM")
+    p.add_argument("artifact", help="artifact directory written by compile")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="bundle directory to create")
+    p.add_argument("--python", help="Python MAJOR.MINOR of the target machine (default: this one)")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle directory")
+    p.set_defaults(func=cmd_bundle)
+
+    try:
+        from .rpc import add_deploy_parser
+    except ImportError:  # pragma: no cover - the RPC module is part of the package
+        add_deploy_parser = None
+    if add_deploy_parser is not None:
+        add_deploy_parser(sub)
     return parser
 
 

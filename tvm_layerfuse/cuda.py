@@ -149,7 +149,9 @@ def nvcc_fatbin(arch: str) -> Iterator[None]:
         try:
             return nvcc.compile_cuda(code, target_format="fatbin", arch=gencode, compiler="nvcc")
         except Exception as e:
-            raise BuildError(f"nvcc failed for {arch}: {str(e).strip().splitlines()[-1][:300]}") from None
+            lines = [line.strip() for line in str(e).splitlines() if "error" in line]
+            detail = (lines or str(e).strip().splitlines() or ["nvcc failed"])[0][:300]
+            raise BuildError(f"nvcc failed for {arch}: {detail}") from None
 
     previous_path = os.environ.get("CUDA_PATH")
     previous_cb = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)

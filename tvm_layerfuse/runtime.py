@@ -123,7 +123,7 @@ class Runtime:
             missing = [n for n in order if n not in data.files]
             if missing:
                 raise ArtifactError(f"weights file of {str(self.path)!r} lacks {missing[:3]}; re-run `compile`")
-            return [tvm.runtime.tensor(np.ascontiguousarray(data[n]), self.device) for n in order]
+            return [tvm.runtime.tensor(_contiguous(data[n]), self.device) for n in order]
 
     # ------------------------------------------------------------------ inference
     def _arguments(self, inputs: Inputs) -> list[Any]:
@@ -155,7 +155,7 @@ class Runtime:
                     f"input {spec['name']!r} has dtype {value.dtype}; expected {spec['dtype']} - "
                     f"convert it with .astype('{spec['dtype']}')"
                 )
-            args.append(self._tvm.runtime.tensor(np.ascontiguousarray(value), self.device))
+            args.append(self._tvm.runtime.tensor(_contiguous(value), self.device))
         return args + self._params
 
     def run(self, inputs: Inputs) -> dict[str, np.ndarray]:
@@ -173,6 +173,11 @@ class Runtime:
         res = timer(*self._arguments(inputs))
         times = [t * 1e3 for t in res.results]
         return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeat": len(times)}
+
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)."""
+    return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
 def load(path: Union[str, os.PathLike], *, device: str = "cpu") -> Runtime:

@@ -68,6 +68,7 @@ def import_onnx(
     else:
         model, label = load_model(model_or_path), Path(model_or_path).name
     graph = read_onnx(model, input_shapes=input_shapes, name=label)
+    _refuse_training_mode(graph)
     prepared = materialize_constants(model, graph)
     if canonicalize:
         prepared = _sum_to_add(prepared)
@@ -89,6 +90,19 @@ def import_onnx(
     params = {var.name: value.numpy() for var, value in zip(weights, values)}
     log.info("imported %s: %d weight parameters", graph.name, len(params))
     return mod, params, graph
+
+
+def _refuse_training_mode(graph: TopologyGraph) -> None:
+    """TVM's importer computes a training-mode BatchNormalization with the running statistics,
+    not the batch's: a wrong answer. Refuse it instead."""
+    for layer in graph:
+        if layer.op_type == "BatchNormalization" and (
+            layer.attrs.get("training_mode", 0) or len(layer.outputs) > 1
+        ):
+            raise UnsupportedOpError(
+                f"BatchNormalization {layer.name!r} of model {graph.name!r} is in training mode (batch statistics); "
+                "expected inference mode - export the model in eval mode (model.eval() before torch.onnx.export)"
+            )
 
 
 def _from_onnx(model: onnx.ModelProto, *, label: str, shape_dict: dict, dtype_dict: dict) -> tvm.IRModule:

@@ -1,0 +1,267 @@
+"""Compile an ONNX model into an artifact for a target preset.
+
+::
+
+    plan            topology graph -> FusionPlan (what merges, and the report)
+    import + fuse   Relax module with the merges carried out, weights still parameters
+                    (``--no-fuse``: the same import, TVM's own pipeline only)
+    weights         LiftTransformParams: every computation on weights alone (folded BN,
+                    concatenated horizontal weights ...) runs once, here, on the build host
+    build           tvm.compile for the target (CPU: TVM's default Relax pipeline with its
+                    FuseOps/FuseTIR; CUDA: plus dlight GPU schedules, nvcc fatbin)
+    write           model.so (cross-linked for aarch64) + params.npz + manifest.json,
+                    atomically
+
+The weights stay beside the library (``params.npz``), so artifacts stay small and one
+library serves several weight sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from . import __version__, artifact
+from .errors import BuildError
+from .presets import TargetSpec, check_toolchain, resolve
+
+log = logging.getLogger(__name__)
+
+STEPS = ("plan", "import and fuse", "fold weights", "build", "write")
+
+
+def compile_model(
+    model: Any,
+    out: Path,
+    *,
+    target: str = "cpu",
+    arch: Optional[str] = None,
+    fuse: bool = True,
+    input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``."""
+    spec = resolve(target, arch=arch)
+    check_toolchain(spec)
+    from tqdm import tqdm
+
+    from .planner import plan as make_plan
+
+    timings: dict[str, float] = {}
+    with tqdm(total=len(STEPS), disable=not progress, unit="step", leave=False) as bar:
+
+        @contextlib.contextmanager
+        def step(name: str):
+            bar.set_description(name)
+            t = time.perf_counter()
+            yield
+            timings[name] = round(time.perf_counter() - t, 3)
+            bar.update(1)
+
+        with step("plan"):
+            p = make_plan(model, input_shapes=input_shapes)
+        with step("import and fuse"):
+            mod, params, report = relax_module(model, plan=p, fuse=fuse, input_shapes=input_shapes)
+        with step("fold weights"):
+            mod, weights = lift_weights(mod, params)
+            mod = safe_param_names(mod)
+        with step("build"):
+            ex = build_for(mod, spec)
+            kernels = _kernel_count(ex)
+        with step("write"):
+            names = [pv.name for pv in mod["main"].params][len(p.first.inputs) :]
+
+            def fill(tmp: Path) -> dict[str, Any]:
+                _export(ex, tmp / artifact.LIBRARY, spec)
+                np.savez(tmp / artifact.PARAMS, **dict(zip(names, weights)))
+                return _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
+
+            artifact.write_artifact(Path(out), fill, overwrite=force)
+    log.info("compiled %s for %s in %s", p.model, spec.preset, timings)
+    return Path(out)
+
+
+# ---------------------------------------------------------------------- stages
+def relax_module(model: Any, *, plan: Any, fuse: bool, input_shapes=None):
+    """(Relax module with weights as parameters, weight values by name, fusion report)."""
+    from .relax.importer import import_onnx
+    from .relax.pipeline import fuse_with_report
+
+    if fuse:
+        result = fuse_with_report(model, plan=plan, input_shapes=input_shapes, bind=False)
+        return result.mod, result.params, _jsonable(result.report)
+    mod, params, _ = import_onnx(model, input_shapes=input_shapes)
+    return mod, params, {}
+
+
+def lift_weights(mod, params: Mapping[str, np.ndarray]):
+    """Split ``main`` into weight preprocessing (run now, on this host) and inference.
+
+    Returns the module whose ``main`` takes the inputs and the *transformed* weights, and
+    those weights as numpy arrays in ``main``'s parameter order.
+    """
+    import tvm
+    from tvm import relax
+
+    main = mod["main"]
+    num_input = int(main.attrs["num_input"])
+    names = [pv.name for pv in main.params[num_input:]]
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise BuildError(f"no value for weight {missing[0]!r}; the import lost it - report this model")
+    lifted = relax.transform.LiftTransformParams()(mod)
+    transform = lifted["main_transform_params"]
+    helper = tvm.IRModule({"main_transform_params": transform})
+    ex = tvm.compile(helper, target=tvm.target.Target({"kind": "llvm"}))
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    values = vm["main_transform_params"]([tvm.runtime.tensor(np.asarray(params[n])) for n in names])
+    weights = [np.asarray(v.numpy()) for v in values]
+    inference = tvm.IRModule({gv: f for gv, f in lifted.functions.items() if gv.name_hint != "main_transform_params"})
+    return inference, weights
+
+
+def safe_param_names(mod):
+    """Rename the parameters of every Relax function to C identifiers.
+
+    Kernel arguments are named after them (through FuseTIR), and CUDA source does not
+    compile with names like ``fire2/squeeze1x1_w_0``. Only names change: ``main`` keeps
+    its parameter order, so the manifest's input and weight order stays valid.
+    """
+    from tvm import relax
+
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = _rename_params(func)
+    return mod
+
+
+def _rename_params(func):
+    from tvm import relax
+
+    used: set[str] = set()
+    new = []
+    for pv in func.params:
+        base = re.sub(r"\W", "_", pv.name) or "p"
+        if base[0].isdigit():
+            base = "p_" + base
+        name, k = base, 1
+        while name in used:
+            k += 1
+            name = f"{base}_{k}"
+        used.add(name)
+        new.append(relax.Var(name, pv.ty))
+    if all(a.name == b.name for a, b in zip(func.params, new)):
+        return func
+    bound = func.bind_params(dict(zip(func.params, new)))
+    return relax.Function(new, bound.body, bound.ret_ty, bound.is_pure, func.attrs)
+
+
+def build_for(mod, spec: TargetSpec):
+    """tvm.compile for the preset: CPU with TVM's fusing default pipeline, CUDA with nvcc."""
+    import tvm
+    from tvm import relax
+
+    tgt = spec.tvm_target()
+    try:
+        if spec.device == "cuda":
+            from .cuda import nvcc_fatbin
+
+            with nvcc_fatbin(spec.arch), tgt:
+                return tvm.compile(mod, target=tgt)
+        return tvm.compile(mod, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
+    except BuildError:
+        raise
+    except Exception as e:
+        raise BuildError(
+            f"TVM could not build the model for {spec.preset}{' ' + spec.arch if spec.arch else ''}: "
+            f"{_first_line(e)}"
+        ) from None
+
+
+def _export(ex, path: Path, spec: TargetSpec) -> None:
+    if spec.cross_compiler:
+        from tvm.support import cc
+
+        ex.export_library(str(path), fcompile=cc.cross_compiler(spec.cross_compiler))
+    else:
+        ex.export_library(str(path))
+    if spec.device == "cuda":
+        from .cuda import device_code
+
+        archs = {d["arch"] for d in device_code(path) if d["kind"] == "elf"}
+        if spec.arch not in archs:
+            raise BuildError(
+                f"the CUDA library embeds no {spec.arch} device binary (found {sorted(archs) or 'none'}); "
+                "the kernels would need compiling at load time - check nvcc"
+            )
+
+
+def _kernel_count(ex) -> Optional[int]:
+    try:
+        from .relax.pipeline import count_kernels
+
+        return count_kernels(ex)
+    except Exception:  # the count is informative only
+        return None
+
+
+def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model) -> dict[str, Any]:
+    import tvm
+
+    first = p.first
+
+    def io(names_):
+        return [
+            {"name": n, "shape": [int(d) for d in first.tensor(n).shape], "dtype": first.tensor(n).dtype} for n in names_
+        ]
+
+    source = Path(model) if not hasattr(model, "SerializeToString") else None
+    return {
+        "format": artifact.FORMAT,
+        "format_version": artifact.FORMAT_VERSION,
+        "created_by": f"tvm_layerfuse {__version__}",
+        "tvm_version": tvm.__version__,
+        "model": {
+            "name": p.model,
+            "sha256": artifact.sha256_file(source) if source is not None and source.is_file() else None,
+        },
+        "target": spec.to_dict(),
+        "fused": fuse,
+        "library": artifact.LIBRARY,
+        "params": {"file": artifact.PARAMS, "order": list(names)},
+        "inputs": io(first.inputs),
+        "outputs": io(first.outputs),
+        "fusion": {
+            "plan": p.counts() if fuse else None,
+            "groups": [g.to_dict() for g in p.groups] if fuse else [],
+            "refusals": [r.to_dict() for r in p.refusals] if fuse else [],
+            "relax": report,
+            "kernel_launches": kernels,
+        },
+    }
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if hasattr(v, "to_dict"):
+        return _jsonable(v.to_dict())
+    if hasattr(v, "__dict__"):
+        return _jsonable(vars(v))
+    return str(v)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(e).__name__

@@ -1,0 +1,252 @@
+"""``bundle``: a self-contained, runtime-only directory for a machine without TVM.
+
+::
+
+    DIR/
+      run.py            python run.py [--input x.npy] [--output y.npz] [--device cpu|cuda]
+      rpc_server.sh     ./rpc_server.sh [--host 127.0.0.1] [--port 9091] [--tracker H:P --key K]
+      artifact/         the compiled artifact (checked before copying)
+      site/             tvm (runtime library only), tvm_ffi, ml_dtypes, typing_extensions,
+                        cloudpickle, psutil, and the tvm_layerfuse loader
+      README.txt
+
+The target needs Python (the version given with ``--python``) and numpy. The packages for
+another Python version or machine (aarch64 boards) are PyPI wheels fetched with
+``pip download``; for this machine's own Python they are copied from this installation.
+What TVM's runtime does not need is left out: the compiler library, relax, s_tir, topi,
+sources and headers (~18 MB remain).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+from . import artifact
+from .errors import BuildError, UsageError
+
+log = logging.getLogger(__name__)
+
+# Directories and files of the tvm / tvm_ffi packages that the runtime never imports.
+PRUNE = (
+    "tvm/lib/libtvm_compiler.so",
+    "tvm/3rdparty",
+    "tvm/src",
+    "tvm/include",
+    "tvm/relax",
+    "tvm/s_tir",
+    "tvm/topi",
+    "tvm/web",
+    "tvm/cmake",
+    "tvm/lib64",
+    "tvm/backend/trn",
+    "tvm_ffi/include",
+    "tvm_ffi/src",
+    "tvm_ffi/3rdparty",
+    "tvm_ffi/cython",
+)
+PACKAGES = ("tvm", "tvm_ffi", "ml_dtypes", "typing_extensions", "cloudpickle", "psutil")
+LOADER = ("__init__.py", "errors.py", "artifact.py", "runtime.py", "runner.py")
+WHEELS = {
+    "tvm": "apache-tvm=={tvm}",
+    "tvm_ffi": "apache-tvm-ffi=={ffi}",
+    "ml_dtypes": "ml_dtypes",
+    "typing_extensions": "typing_extensions",
+    "cloudpickle": "cloudpickle",
+    "psutil": "psutil",
+}
+
+RUN_PY = '''#!/usr/bin/env python3
+"""Run the bundled model with the TVM runtime only (see README.txt)."""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+sys.path.insert(0, os.path.join(HERE, "site"))
+
+from tvm_layerfuse.runner import bundle_main  # noqa: E402
+
+sys.exit(bundle_main(artifact_dir=os.path.join(HERE, "artifact")))
+'''
+
+RPC_SH = '''#!/bin/sh
+# Start TVM's RPC server from this bundle (runtime only). TVM RPC has no authentication:
+# it binds to 127.0.0.1 unless you pass --host; expose it only on a network you trust.
+HERE=$(cd "$(dirname "$0")" && pwd)
+export TVM_USE_RUNTIME_LIB=1
+export PYTHONPATH="$HERE/site${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m tvm.exec.rpc_server --host 127.0.0.1 "$@"
+'''
+
+README = """tvm_layerfuse runtime bundle
+============================
+
+Model: {model}    target: {target}    built for Python {python} on {machine}
+
+Needs: Python {python} and numpy (pip install numpy). Nothing else: TVM's runtime is in site/.
+
+Run once:            python3 run.py --input x.npy --output y.npz      (random input without --input)
+                     python3 run.py --input image.jpg                  (needs Pillow for images)
+Serve over TVM RPC:  ./rpc_server.sh --port 9091                       (loopback only by default)
+                     then on the workstation: python -m tvm_layerfuse deploy ARTIFACT --rpc BOARD:9091
+TVM RPC has no authentication: use --host 0.0.0.0 only on a network you trust.
+"""
+
+
+def make_bundle(
+    artifact_dir: Path,
+    out: Path,
+    *,
+    python: Optional[str] = None,
+    force: bool = False,
+    cache: Optional[Path] = None,
+) -> Path:
+    """Write the bundle directory ``out`` for ``artifact_dir`` (atomically)."""
+    artifact_dir = Path(artifact_dir)
+    manifest = artifact.verify(artifact_dir)
+    machine = manifest["target"].get("machine") or _machine()
+    python = python or f"{sys.version_info.major}.{sys.version_info.minor}"
+    if not python.replace(".", "").isdigit() or python.count(".") != 1:
+        raise UsageError(f"--python {python!r} is not a version; expected MAJOR.MINOR such as 3.12")
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another -o")
+    if out.exists() and not force:
+        raise UsageError(f"output {str(out)!r} already exists; remove it or pass --force")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    tmp.chmod(0o755)
+    try:
+        site = tmp / "site"
+        site.mkdir()
+        _install_packages(site, python=python, machine=machine, cache=cache)
+        _prune(site)
+        pkg = site / "tvm_layerfuse"
+        pkg.mkdir()
+        here = Path(__file__).parent
+        for name in LOADER:
+            shutil.copy2(here / name, pkg / name)
+        shutil.copytree(artifact_dir, tmp / "artifact", ignore=shutil.ignore_patterns(".*"))
+        _write(tmp / "run.py", RUN_PY, executable=True)
+        _write(tmp / "rpc_server.sh", RPC_SH, executable=True)
+        _write(
+            tmp / "README.txt",
+            README.format(
+                model=manifest.get("model", {}).get("name"),
+                target=manifest["target"].get("preset"),
+                python=python,
+                machine=machine,
+            ),
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def size_of(path: Path) -> dict[str, int]:
+    """Bytes of the runtime part (everything but the weights) and of the weights."""
+    total = weights = 0
+    for f in Path(path).rglob("*"):
+        if f.is_file():
+            total += f.stat().st_size
+            if f.name == artifact.PARAMS:
+                weights += f.stat().st_size
+    return {"runtime_bytes": total - weights, "weights_bytes": weights}
+
+
+def _machine() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _install_packages(site: Path, *, python: str, machine: str, cache: Optional[Path]) -> None:
+    local = python == f"{sys.version_info.major}.{sys.version_info.minor}" and machine == _machine()
+    missing = []
+    for name in PACKAGES:
+        src = _local_package(name) if local else None
+        if src is None:
+            missing.append(name)
+        elif src.is_dir():
+            shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, site / src.name)
+    if missing:
+        _download(site, missing, python=python, machine=machine, cache=cache)
+
+
+def _local_package(name: str) -> Optional[Path]:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        return None
+    origin = Path(spec.origin)
+    return origin.parent if origin.name == "__init__.py" else origin
+
+
+def _download(site: Path, names: list[str], *, python: str, machine: str, cache: Optional[Path]) -> None:
+    import tvm_ffi
+
+    try:
+        from importlib.metadata import version
+
+        tvm_version = version("apache-tvm")
+    except Exception:
+        tvm_version = "0.27.0.post1"
+    cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tvm_layerfuse" / "wheels"
+    where = cache / f"py{python}-{machine}"
+    where.mkdir(parents=True, exist_ok=True)
+    reqs = [WHEELS[n].format(tvm=tvm_version, ffi=tvm_ffi.__version__) for n in names]
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+        "--python-version", python, "--platform", f"manylinux_2_28_{machine}", "--platform", f"manylinux2014_{machine}",
+        "--platform", f"manylinux_2_17_{machine}", "-d", str(where), *reqs,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise BuildError(
+            f"cannot fetch runtime wheels for Python {python} on {machine} ({tail}); check the version and network"
+        )
+    for wheel in sorted(where.glob("*.whl")):
+        dist = wheel.name.split("-")[0].lower().replace("_", "-")
+        if any(dist == WHEELS[n].split("=")[0].lower() for n in names):
+            with zipfile.ZipFile(wheel) as z:
+                for member in z.namelist():
+                    top = member.split("/")[0]
+                    if ".dist-info" in top or top.endswith(".data"):
+                        continue
+                    z.extract(member, site)
+    for f in site.rglob("*.so*"):
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+
+
+def _prune(site: Path) -> None:
+    for rel in PRUNE:
+        p = site / rel
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+    for cache_dir in list(site.rglob("__pycache__")):
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _write(path: Path, text: str, *, executable: bool = False) -> None:
+    path.write_text(text)
+    if executable:
+        path.chmod(0o755)
