@@ -1,0 +1,221 @@
+"""compile -> artifact -> runtime, for CPU (run here), aarch64 and CUDA (built here)."""
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from graphs import rel_err, run_ort
+from tvm_layerfuse import artifact
+from tvm_layerfuse.build import compile_model
+from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError, UsageError
+from tvm_layerfuse.runtime import load
+from tvm_layerfuse.testing import zoo
+
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "squeezenet.onnx"
+    onnx.save(zoo.squeezenet1_1(image=32, seed=3), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cpu_artifacts(model_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("art")
+    fused = compile_model(model_path, root / "fused", target="cpu", progress=False)
+    plain = compile_model(model_path, root / "plain", target="cpu", fuse=False, progress=False)
+    return fused, plain
+
+
+def _feeds(model_path, seed=0):
+    m = onnx.load(str(model_path))
+    x = np.random.default_rng(seed).standard_normal([d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim])
+    return {m.graph.input[0].name: x.astype(np.float32)}
+
+
+def test_manifest_describes_the_artifact(cpu_artifacts):
+    import tvm
+
+    fused, plain = cpu_artifacts
+    m = json.loads((fused / "manifest.json").read_text())
+    assert m["format"] == "tvm_layerfuse.artifact" and m["format_version"] == 1
+    assert m["tvm_version"] == tvm.__version__
+    assert m["target"]["preset"] == "cpu" and m["target"]["machine"] == "x86_64"
+    assert m["inputs"] == [{"name": "input", "shape": [1, 3, 32, 32], "dtype": "float32"}]
+    assert m["outputs"][0]["name"] == "output"
+    assert set(m["files"]) == {"model.so", "params.npz"}
+    for name, digest in m["files"].items():
+        assert artifact.sha256_file(fused / name) == digest
+    assert m["fusion"]["plan"]["concat_in_place"] == 8 and m["fused"] is True
+    plain_m = json.loads((plain / "manifest.json").read_text())
+    assert plain_m["fused"] is False and plain_m["fusion"]["plan"] is None
+    # weights live beside the library, not inside it
+    assert (fused / "params.npz").stat().st_size > (fused / "model.so").stat().st_size / 4
+
+
+def test_fused_and_unfused_match_onnxruntime(cpu_artifacts, model_path):
+    feeds = _feeds(model_path)
+    (expected,) = run_ort(onnx.load(str(model_path)), feeds)
+    fused, plain = cpu_artifacts
+    a = load(fused).run(feeds)["output"]
+    b = load(plain).run(feeds)["output"]
+    assert rel_err(expected, a) <= RTOL and rel_err(expected, b) <= RTOL
+    assert rel_err(b, a) <= RTOL
+
+
+def test_runtime_only_in_a_bundle(cpu_artifacts, model_path, tmp_path):
+    """The bundle carries TVM without its compiler library; run it in a fresh process."""
+    from tvm_layerfuse.bundle import make_bundle, size_of
+
+    bundle = make_bundle(cpu_artifacts[0], tmp_path / "bundle")
+    assert not (bundle / "site" / "tvm" / "lib" / "libtvm_compiler.so").exists()
+    assert size_of(bundle)["runtime_bytes"] <= 20 * 2**20
+    feeds = _feeds(model_path, seed=5)
+    np.save(tmp_path / "x.npy", feeds["input"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TVM"))}
+    proc = subprocess.run(
+        [sys.executable, "-I", str(bundle / "run.py"), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    check = subprocess.run(
+        [sys.executable, "-I", "-c",
+         "import sys, os; sys.path.insert(0, sys.argv[1]); os.environ['TVM_USE_RUNTIME_LIB'] = '1'; import tvm;"
+         "print(tvm.__file__);\ntry:\n import tvm.relax\n print('relax')\nexcept Exception:\n print('no relax')",
+         str(bundle / "site")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert str(bundle) in check.stdout and "no relax" in check.stdout, check.stdout + check.stderr
+    with np.load(tmp_path / "y.npz") as y:
+        got = y["output"]
+    (expected,) = run_ort(onnx.load(str(model_path)), feeds)
+    assert rel_err(expected, got) <= RTOL
+
+
+def test_aarch64_artifact_is_an_arm_elf(model_path, tmp_path):
+    if shutil.which("aarch64-linux-gnu-gcc") is None:
+        pytest.skip("the aarch64 cross compiler is not installed (apt-get install gcc-aarch64-linux-gnu)")
+    out = compile_model(model_path, tmp_path / "arm", target="aarch64", progress=False)
+    head = (out / "model.so").read_bytes()[:20]
+    assert head[:4] == b"\x7fELF" and struct.unpack_from("<H", head, 18)[0] == 183  # EM_AARCH64
+    with pytest.raises(ArtifactError, match="compiled for aarch64 hosts, but this machine is x86_64"):
+        load(out)
+
+
+def test_cuda_artifact_embeds_sm90_device_code(model_path, tmp_path):
+    from tvm_layerfuse.cuda import device_code, extract_fatbins
+
+    out = compile_model(model_path, tmp_path / "cuda", target="cuda", arch="sm_90", progress=False)
+    images = device_code(out / "model.so")
+    assert {"kind": "elf", "arch": "sm_90"} in [{k: d[k] for k in ("kind", "arch")} for d in images]
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        try:
+            import nvidia.cu13  # the nvidia-cuda-cuobjdump wheel (test extra)
+
+            cuobjdump = str(Path(list(nvidia.cu13.__path__)[0]) / "bin" / "cuobjdump")
+        except ImportError:
+            cuobjdump = None
+    if cuobjdump and Path(cuobjdump).exists():
+        (fatbin,) = extract_fatbins(out / "model.so", tmp_path)
+        listing = subprocess.run([cuobjdump, "--list-elf", str(fatbin)], capture_output=True, text=True).stdout
+        assert "sm_90" in listing, listing
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["target"]["arch"] == "sm_90" and m["target"]["device"] == "cuda"
+    with pytest.raises(ArtifactError, match="compiled for cuda"):
+        load(out, device="cpu")
+    with pytest.raises(DeviceError):
+        load(out, device="cuda")  # no GPU (and no driver) on this machine
+
+
+def test_tampered_files_are_refused(cpu_artifacts, tmp_path):
+    for name in ("model.so", "params.npz"):
+        copy = tmp_path / name.replace(".", "_")
+        shutil.copytree(cpu_artifacts[0], copy)
+        data = bytearray((copy / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (copy / name).write_bytes(bytes(data))
+        with pytest.raises(ArtifactError, match=f"'{name}' in artifact .* has sha256"):
+            load(copy)
+    missing = tmp_path / "missing"
+    shutil.copytree(cpu_artifacts[0], missing)
+    (missing / "params.npz").unlink()
+    with pytest.raises(ArtifactError, match="lacks 'params.npz'"):
+        load(missing)
+
+
+def test_bad_inputs_are_refused(cpu_artifacts, model_path):
+    rt = load(cpu_artifacts[0])
+    x = _feeds(model_path)["input"]
+    with pytest.raises(InputError, match="'nope' is not an input"):
+        rt.run({"nope": x})
+    with pytest.raises(InputError, match=r"has shape \[1, 3, 16, 16\]; expected \[1, 3, 32, 32\]"):
+        rt.run({"input": x[:, :, :16, :16]})
+    with pytest.raises(InputError, match="has dtype float64; expected float32"):
+        rt.run({"input": x.astype(np.float64)})
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "tvm_layerfuse", *args], capture_output=True, text=True, timeout=600, **kw)
+
+
+def test_cli_compile_run_and_errors(model_path, tmp_path):
+    out = tmp_path / "a"
+    p = cli("compile", str(model_path), "-o", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    feeds = _feeds(model_path, seed=9)
+    np.save(tmp_path / "x.npy", feeds["input"])
+    p = cli("run", str(out), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz"))
+    assert p.returncode == 0, p.stderr
+    assert "top-5" in p.stdout
+    with np.load(tmp_path / "y.npz") as y:
+        (expected,) = run_ort(onnx.load(str(model_path)), feeds)
+        assert rel_err(expected, y["output"]) <= RTOL
+    # compile refuses to overwrite; bad inputs give one line and exit 2
+    for args, fragment in [
+        (("compile", str(model_path), "-o", str(out)), "already exists"),
+        (("compile", str(model_path), "--target", "riscv"), "target 'riscv' is unknown"),
+        (("compile", str(model_path), "--target", "cuda", "--arch", "sm_1"), "--arch sm_1 is not offered"),
+        (("run", str(tmp_path / "nowhere")), "does not exist"),
+        (("run", str(out), "--input", str(tmp_path / "missing.npy")), "does not exist"),
+        (("run", str(out), "--device", "cuda"), "compiled for cpu"),
+    ]:
+        p = cli(*args)
+        assert p.returncode == 2, (args, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in p.stderr, (args, p.stderr)
+    (tmp_path / "bad.npy").write_bytes(b"not numpy")
+    p = cli("run", str(out), "--input", str(tmp_path / "bad.npy"))
+    assert p.returncode == 2 and "not a readable .npy" in p.stderr
+
+
+def test_failed_or_interrupted_compile_leaves_nothing(model_path, tmp_path):
+    # a failure: an unwritable destination parent
+    p = cli("compile", str(model_path), "-o", str(tmp_path / "no" / "such" / "dir"))
+    assert p.returncode == 2 and "does not exist" in p.stderr
+    # an interrupt in the middle of a compile (SIGINT = Ctrl-C)
+    big = tmp_path / "googlenet.onnx"
+    onnx.save(zoo.googlenet(image=64, seed=1), str(big))
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "tvm_layerfuse", "compile", str(big), "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    if proc.returncode == 0:
+        pytest.skip("the compile finished before the interrupt arrived")
+    assert proc.returncode == 130, err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".interrupted")]
