@@ -98,3 +98,12 @@ def test_dynamic_shape_needs_override(tmp_path):
     p = cli("inspect", str(path), "--plan-only", "--input-shape", "data_0=2,3,224,224")
     assert p.returncode == 0, p.stderr
     assert "8 in-place concat" in p.stdout
+
+
+def test_inspect_compile_reports_fewer_kernels_than_tvm_default():
+    p = cli("inspect", "--plan-only", "--compile", "--json")
+    assert p.returncode == 0, p.stderr
+    c = json.loads(p.stdout)["compiled"]
+    assert c["parallel_conv_groups"] == 9
+    assert c["layerfuse"]["conv_kernels"] == c["default"]["conv_kernels"] - 18  # 9 groups of 3 -> 1
+    assert c["layerfuse"]["kernel_launches"] < c["default"]["kernel_launches"]

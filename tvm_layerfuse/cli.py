@@ -76,11 +76,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from .dot import write_svg
 
         _say(args, f"wrote {write_svg(result, Path(args.svg))}")
+    compiled = None
+    if args.compile:
+        from .compile_report import compare
+
+        compiled = compare(model, plan=result, input_shapes=parse_input_shapes(args.input_shape))
     if args.json:
-        json.dump(result.to_dict(graphs=not args.plan_only), sys.stdout, indent=1)
+        data = result.to_dict(graphs=not args.plan_only)
+        if compiled is not None:
+            data["compiled"] = compiled
+        json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(plan_text(result, graphs=not args.plan_only) + "\n")
+        if compiled is not None:
+            from .compile_report import text
+
+            sys.stdout.write("\n" + text(compiled) + "\n")
     return 0
 
 
@@ -162,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-only", action="store_true", help="leave the two graph tables (or JSON graphs) out")
     p.add_argument("--dot", metavar="FILE", help="write both graphs side by side as Graphviz DOT")
     p.add_argument("--svg", metavar="FILE", help="draw both graphs side by side as SVG (needs Graphviz's dot)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also lower the model for CPU with TVM's default pipeline and with layerfuse, and compare kernels and bytes",
+    )
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("compile", parents=[_verbosity_parent()], help="compile a model into a device-executable artifact")
