@@ -17,7 +17,7 @@ import pytest
 from graphs import rel_err, run_ort
 from tvm_layerfuse import artifact
 from tvm_layerfuse.build import compile_model
-from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError, UsageError
+from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError
 from tvm_layerfuse.runtime import load
 from tvm_layerfuse.testing import zoo
 

@@ -20,7 +20,6 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from onnx import helper, numpy_helper
 
-from tvm_layerfuse.errors import GraphError
 from tvm_layerfuse.planner import plan
 from tvm_layerfuse.testing import random_inputs
 from tvm_layerfuse.testing.checks import plan_violations, run_onnxruntime as run_ort

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import onnx
+
 import pytest
 import tvm
 from graphs import RTOL, Net, feeds_for, rel_err, run_ort
@@ -23,8 +24,7 @@ from tvm_layerfuse.relax import FuseConv2DEpilogue
 from tvm_layerfuse.relax.fuse_epilogue import EpilogueSpec
 from tvm_layerfuse.relax.pipeline import build, count_kernels, fuse_with_report, kernel_count, run, unfused
 from tvm_layerfuse.testing.zoo import light_models
-from tvm_layerfuse.topology import read_onnx
-from tvm_layerfuse.topology.materialize import materialize_constants
+from tvm_layerfuse.testing.weights import random_weights
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 
@@ -321,47 +321,13 @@ def test_fused_kernels_are_fewer_than_tvms_own_on_a_residual_block():
 # =========================================================================== a real network
 
 
-def _randomize_weights(model: onnx.ModelProto, *, seed: int) -> onnx.ModelProto:
-    """The zoo's "light" models carry constant-filled weights (every output equal): give
-    them seeded random ones so the comparison means something. Convs He-normal, BatchNorm
-    statistics near identity."""
-    graph = read_onnx(model)
-    out = materialize_constants(model, graph)
-    rng = np.random.default_rng(seed)
-    role = {}
-    for node in out.graph.node:
-        if node.op_type == "BatchNormalization":
-            for tag, name in zip(("scale", "bias", "mean", "var"), node.input[1:5]):
-                role[name] = tag
-        elif node.op_type in ("Conv", "Gemm", "MatMul") and len(node.input) > 1:
-            role[node.input[1]] = "weight"
-    inits = []
-    for t in out.graph.initializer:
-        v = onnx.numpy_helper.to_array(t)
-        if v.dtype != np.float32:
-            inits.append(t)
-            continue
-        tag = role.get(t.name, "bias")
-        if tag == "weight":
-            fan_in = int(np.prod(v.shape[1:])) if v.ndim > 1 else v.shape[0]
-            new = rng.standard_normal(v.shape) * np.sqrt(2.0 / max(fan_in, 1))
-        elif tag in ("scale", "var"):
-            new = rng.uniform(0.5, 1.5, v.shape)
-        else:
-            new = rng.standard_normal(v.shape) * 0.1
-        inits.append(onnx.numpy_helper.from_array(new.astype(np.float32), t.name))
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(inits)
-    return out
-
-
 def test_light_resnet50_matches_onnxruntime_with_fewer_kernels():
     """ONNX model zoo ResNet-50 (Caffe2 export: Conv -> BatchNormalization -> Relu, Sum
     residuals) at batch 1, 224x224, random weights. ~15 s on 2 cores (measured)."""
     path = light_models().get("resnet50")
     if path is None:
         pytest.skip("this onnx installation ships no light_resnet50")
-    model = _randomize_weights(onnx.load(str(path)), seed=7)
+    model = random_weights(onnx.load(str(path)), seed=7)
     feeds = feeds_for(model, seed=8)
     expected = run_ort(model, feeds)[0]
     start = time.perf_counter()

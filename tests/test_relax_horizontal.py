@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 import onnx
+
 import pytest
 import tvm
 import tvm.relax.frontend.onnx  # noqa: F401  (registers the importer)
@@ -26,6 +27,7 @@ from tvm_layerfuse.planner import FusionPlan, plan
 from tvm_layerfuse.relax.cancel_split_concat import CancelSplitConcat
 from tvm_layerfuse.relax.horizontal import MergeParallelConv2D, merge_groups_from_plan
 from tvm_layerfuse.topology.materialize import materialize_constants
+from tvm_layerfuse.testing.weights import random_weights
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 
@@ -742,34 +744,12 @@ def test_symbolic_batch():
     assert rel_err(expected, got) <= RTOL, rel_err(expected, got)
 
 
-def _random_weights(model: onnx.ModelProto, *, seed: int) -> onnx.ModelProto:
-    """``model`` with every float weight (conv, bias, fully connected) replaced by seeded random
-    values of the same shape: the model zoo's "light" weights are constant fills, under which
-    a channel mix-up would not show."""
-    rng = np.random.default_rng(seed)
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    for init in out.graph.initializer:
-        if init.data_type != onnx.TensorProto.FLOAT:
-            continue
-        shape = tuple(init.dims)
-        if len(shape) == 4:  # [C_out, C_in, kh, kw]
-            std = np.sqrt(2.0 / np.prod(shape[1:]))
-        elif len(shape) == 2:  # fully connected
-            std = 1.0 / np.sqrt(shape[1])
-        else:
-            std = 0.1
-        value = (rng.standard_normal(shape) * std).astype(np.float32)
-        init.CopyFrom(onnx.numpy_helper.from_array(value, init.name))
-    return out
-
-
 def test_inception_v1_merges_nine_groups_and_matches_onnxruntime():
     """The plan's 9 groups (1x1, 3x3_reduce, 5x5_reduce of each block); ~15 s on 2 cores."""
     path = os.path.join(os.path.dirname(onnx.__file__), "backend/test/data/light/light_inception_v1.onnx")
     original = onnx.load(path)
     p = plan(original)
-    model = _random_weights(materialize_constants(original, p.first), seed=11)
+    model = random_weights(original, seed=11)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mod = tvm.relax.frontend.onnx.from_onnx(model, keep_params_in_input=True)

@@ -1,6 +1,5 @@
 """Element-wise template: a residual Add/Sum/Mul moves into a Conv epilogue."""
 
-import numpy as np
 
 from graphs import Net, assert_realizes
 from tvm_layerfuse.planner import plan

@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphs import Net, feeds_for, run_ort
+from graphs import Net, run_ort
 from tvm_layerfuse.errors import GraphError, ModelLoadError, ShapeError
 from tvm_layerfuse.models import light_model
 from tvm_layerfuse.planner import plan

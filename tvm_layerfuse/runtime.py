@@ -20,7 +20,7 @@ import os
 import platform
 import statistics
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 

@@ -322,7 +322,6 @@ def resnet50(
                 y = b.add(y, identity)
                 with b.scope("relu_2"):
                     x = b.relu(y)
-            inplanes = planes * 4
     out = b.classifier(x, num_classes)
     return b.build({"output": out}, doc=f"resnet50 layers={tuple(layers)} width={width}")
 
