@@ -106,4 +106,8 @@ def test_inspect_compile_reports_fewer_kernels_than_tvm_default():
     c = json.loads(p.stdout)["compiled"]
     assert c["parallel_conv_groups"] == 9
     assert c["layerfuse"]["conv_kernels"] == c["default"]["conv_kernels"] - 18  # 9 groups of 3 -> 1
-    assert c["layerfuse"]["kernel_launches"] < c["default"]["kernel_launches"]
+    assert c["layerfuse"]["kernels"] < c["default"]["kernels"]
+    assert c["layerfuse"]["concat_kernels"] == 0 and c["layerfuse"]["concat_bytes_copied"] == 0
+    assert c["default"]["concat_kernels"] == 9 and c["default"]["concat_bytes_copied"] > 0
+    assert c["layerfuse"]["bytes_written"] < c["default"]["bytes_written"]
+    assert c["layerfuse"]["activation_bytes"] <= c["default"]["activation_bytes"]

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -73,13 +75,18 @@ def compile_model(
             mod, weights = lift_weights(mod, params)
             mod = safe_param_names(mod)
         with step("build"):
-            ex = build_for(mod, spec)
+            ex = build_for(mod, spec, fuse=fuse)
             kernels = _kernel_count(ex)
-        with step("write"):
+        with step("write"), tempfile.TemporaryDirectory(prefix="tvm_layerfuse_export_") as private:
             names = [pv.name for pv in mod["main"].params][len(p.first.inputs) :]
+            # Code generation and linking write first into a private directory: LLVM ends the
+            # process on an I/O error (RLIMIT_FSIZE, ...), which must not leave a half-written
+            # directory beside OUT. Only plain Python writes go into the artifact's own.
+            library = Path(private) / artifact.LIBRARY
+            _export(ex, library, spec)
 
             def fill(tmp: Path) -> dict[str, Any]:
-                _export(ex, tmp / artifact.LIBRARY, spec)
+                shutil.copyfile(library, tmp / artifact.LIBRARY)
                 np.savez(tmp / artifact.PARAMS, **dict(zip(names, weights)))
                 return _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
 
@@ -163,19 +170,25 @@ def _rename_params(func):
     return relax.Function(new, bound.body, bound.ret_ty, bound.is_pure, func.attrs)
 
 
-def build_for(mod, spec: TargetSpec):
-    """tvm.compile for the preset: CPU with TVM's fusing default pipeline, CUDA with nvcc."""
+def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
+    """tvm.compile for the preset with TVM's default Relax pipeline (the one that runs
+    FuseOps/FuseTIR; GPU targets also get dlight schedules) - plus, when fusing, the lowering
+    passes (in-place concat, split-output buffers) after FuseTIR. CUDA kernels go through nvcc."""
     import tvm
     from tvm import relax
 
+    from .lowering import layerfuse_pipeline
+
     tgt = spec.tvm_target()
     try:
-        if spec.device == "cuda":
-            from .cuda import nvcc_fatbin
+        with contextlib.ExitStack() as scope:
+            if spec.device == "cuda":
+                from .cuda import nvcc_fatbin
 
-            with nvcc_fatbin(spec.arch), tgt:
-                return tvm.compile(mod, target=tgt)
-        return tvm.compile(mod, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
+                scope.enter_context(nvcc_fatbin(spec.arch))
+            scope.enter_context(tgt)
+            pipeline = layerfuse_pipeline(tgt) if fuse else relax.get_default_pipeline(tgt)
+            return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     except BuildError:
         raise
     except Exception as e:
@@ -186,12 +199,20 @@ def build_for(mod, spec: TargetSpec):
 
 
 def _export(ex, path: Path, spec: TargetSpec) -> None:
-    if spec.cross_compiler:
-        from tvm.support import cc
+    try:
+        if spec.cross_compiler:
+            from tvm.support import cc
 
-        ex.export_library(str(path), fcompile=cc.cross_compiler(spec.cross_compiler))
-    else:
-        ex.export_library(str(path))
+            ex.export_library(str(path), fcompile=cc.cross_compiler(spec.cross_compiler))
+        else:
+            ex.export_library(str(path))
+    except RuntimeError as e:  # tvm.support.cc: "Compilation error:" + the linker's output
+        # the linker's complaint, e.g. "/usr/bin/ld: final link failed: No space left on device"
+        detail = next((l.strip() for l in str(e).splitlines()[1:] if l.strip()), _first_line(e))
+        raise BuildError(
+            f"linking the library for {spec.preset} failed: {detail[:300]}; check the C compiler "
+            f"({spec.cross_compiler or 'g++'}) and free space in {tempfile.gettempdir()!r}"
+        ) from None
     if spec.device == "cuda":
         from .cuda import device_code
 
@@ -203,12 +224,14 @@ def _export(ex, path: Path, spec: TargetSpec) -> None:
             )
 
 
-def _kernel_count(ex) -> Optional[int]:
+def _kernel_count(ex) -> Optional[dict[str, Any]]:
+    """Kernel launches and concatenation copies left in the executable (informative only)."""
     try:
-        from .relax.pipeline import count_kernels
+        from .lowering import concat_report
 
-        return count_kernels(ex)
-    except Exception:  # the count is informative only
+        return concat_report(ex)
+    except Exception as e:  # the report must never fail a build
+        log.info("no kernel report for this executable: %s", e)
         return None
 
 
@@ -243,7 +266,7 @@ def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model)
             "groups": [g.to_dict() for g in p.groups] if fuse else [],
             "refusals": [r.to_dict() for r in p.refusals] if fuse else [],
             "relax": report,
-            "kernel_launches": kernels,
+            "kernels": kernels,
         },
     }
 

@@ -131,8 +131,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 f"merged: {c['vertical']} vertical, {c['horizontal']} horizontal, {c['eltwise']} element-wise, "
                 f"{c['concat_in_place']} in-place concat; {c['layers_first']} layers -> {c['kernels_second']} kernels planned"
             )
-        if fusion.get("kernel_launches") is not None:
-            print(f"kernel launches per inference: {fusion['kernel_launches']}")
+        kernels = fusion.get("kernels")
+        if kernels:
+            print(
+                f"kernel launches per inference: {kernels['kernels']}; concatenate copies left: "
+                f"{kernels['concat_kernels']} ({kernels['concat_bytes_copied']} bytes)"
+            )
     return 0
 
 

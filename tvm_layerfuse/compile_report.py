@@ -1,65 +1,59 @@
 """What the merges did to the compiled model: kernels and bytes, TVM's default vs ours.
 
-Both sides are lowered with TVM's default Relax pipeline for the target (LegalizeOps,
-FuseOps, FuseTIR ...); "ours" has the layerfuse passes applied first. Counted on ``main``:
+Both sides go through TVM's default Relax pipeline for the target (LegalizeOps, FuseOps,
+FuseTIR ... StaticPlanBlockMemory); "ours" has the layerfuse passes applied first and the
+lowering passes after FuseTIR. Counted on ``main``:
 
 * kernel launches per inference (calls of TIR PrimFuncs), and how many are convolutions;
-* bytes written per inference: the sum of every kernel's output tensors, i.e. the
-  intermediate (and final) activations that go through memory;
-* concatenate kernels and the bytes they copy.
+* bytes written per inference: the output tensors of every compute kernel (the
+  activations that go through memory) plus what copy kernels (concatenate, split) write;
+* concatenate and split kernels that only copy, and the bytes the concatenates copy;
+* peak activation memory: the storage blocks TVM's memory planner allocates.
+
+The layerfuse side includes the lowering passes (in-place concat, split-output buffers).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 
-def kernel_calls(mod) -> list[dict[str, Any]]:
-    """Every kernel ``main`` calls, in order: ``{"name", "bytes_out"}``."""
+_MOVEMENT = re.compile(r"(fused|concatenate|split|strided|slice|reshape|squeeze|expand|dims|transpose|take)\d*")
+
+
+def activation_bytes_written(mod) -> dict[str, int]:
+    """Bytes the kernels of a lowered (FuseTIR'd) module write per inference, from the types
+    of their outputs: ``{"compute": ..., "split": ...}``; copies into a concatenate are
+    counted by :func:`tvm_layerfuse.lowering.concat_report` instead."""
     import tvm
     from tvm import relax
 
     prims = {gv for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
-    calls: list[dict[str, Any]] = []
+    out = {"compute": 0, "split": 0}
 
-    def out_bytes(ty) -> int:
+    def nbytes(ty) -> int:
         fields = getattr(ty, "fields", None)
         if fields is not None:
-            return sum(out_bytes(f) for f in fields)
-        shape = getattr(ty, "shape", None)
-        dims = getattr(shape, "values", None)
+            return sum(nbytes(f) for f in fields)
+        dims = getattr(getattr(ty, "shape", None), "values", None)
         if dims is None:
             return 0
-        try:
-            n = int(np.prod([int(d) for d in dims], dtype=np.int64))
-        except (TypeError, ValueError):
-            return 0
-        return n * np.dtype(str(ty.dtype)).itemsize
+        return int(np.prod([int(d) for d in dims], dtype=np.int64)) * np.dtype(str(ty.dtype)).itemsize
 
     def visit(e):
-        if isinstance(e, relax.Call) and getattr(e.op, "name", "") in ("relax.call_tir", "relax.call_tir_inplace"):
-            gv = e.args[0]
-            if gv in prims:
-                calls.append({"name": gv.name_hint, "bytes_out": out_bytes(e.ty)})
+        if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.call_tir" and e.args[0] in prims:
+            tokens = [t for t in e.args[0].name_hint.split("_") if t]
+            if all(_MOVEMENT.fullmatch(t) for t in tokens):
+                if any(t.startswith("split") for t in tokens) and not any(t.startswith("concatenate") for t in tokens):
+                    out["split"] += nbytes(e.ty)
+                return
+            out["compute"] += nbytes(e.ty)
 
     relax.analysis.post_order_visit(mod["main"].body, visit)
-    return calls
-
-
-def summarize(mod) -> dict[str, Any]:
-    calls = kernel_calls(mod)
-    concat = [c for c in calls if "concat" in c["name"]]
-    return {
-        "kernel_launches": len(calls),
-        "distinct_kernels": len({c["name"] for c in calls}),
-        "conv_kernels": sum(1 for c in calls if "conv2d" in c["name"]),
-        "bytes_written": sum(c["bytes_out"] for c in calls),
-        "concat_kernels": len(concat),
-        "concat_bytes_copied": sum(c["bytes_out"] for c in concat),
-        "split_kernels": sum(1 for c in calls if "split" in c["name"]),
-    }
+    return out
 
 
 def compare(
@@ -69,32 +63,37 @@ def compare(
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     plan: Any = None,
 ) -> dict[str, Any]:
-    """``{"default": {...}, "layerfuse": {...}, "plan": counts, "relax": pass report}``."""
+    """``{"default": {...}, "layerfuse": {...}, "parallel_conv_groups": n}``: each side planned
+    through ``StaticPlanBlockMemory`` (no code generation) and read by
+    :func:`tvm_layerfuse.lowering.concat_report`."""
+    from .lowering import concat_report
     from .relax.pipeline import fuse_with_report, lower, unfused
 
-    baseline = lower(unfused(model, input_shapes=input_shapes), target=target)
+    plain = unfused(model, input_shapes=input_shapes)
     result = fuse_with_report(model, plan=plan, input_shapes=input_shapes)
-    ours = lower(result.mod, target=target)
+    sides = {}
+    for name, mod, layerfuse in (("default", plain, False), ("layerfuse", result.mod, True)):
+        report = concat_report(mod, target=target, layerfuse=layerfuse)
+        written = activation_bytes_written(lower(mod, target=target))
+        split = written["split"] if report["split_kernels"] else 0
+        report["bytes_written"] = written["compute"] + split + report["concat_bytes_copied"]
+        sides[name] = report
+    baseline, ours = sides["default"], sides["layerfuse"]
     horizontal = result.report.get("horizontal") or {}
-    merged = len(horizontal.get("merged", []) if isinstance(horizontal, dict) else getattr(horizontal, "merged", []))
-    return {
-        "default": summarize(baseline),
-        "layerfuse": summarize(ours),
-        "parallel_conv_groups": merged,
-        "plan": result.plan.counts() if result.plan is not None else None,
-    }
+    merged = horizontal.get("merged", []) if isinstance(horizontal, dict) else getattr(horizontal, "merged", [])
+    return {"default": baseline, "layerfuse": ours, "parallel_conv_groups": len(merged)}
 
 
 def text(report: dict[str, Any]) -> str:
     d, o = report["default"], report["layerfuse"]
     rows = [
-        ("kernel launches per inference", "kernel_launches"),
+        ("kernel launches per inference", "kernels"),
         ("  of which convolutions", "conv_kernels"),
-        ("  concatenate kernels", "concat_kernels"),
-        ("  split kernels", "split_kernels"),
-        ("distinct kernels", "distinct_kernels"),
+        ("  concatenate copies", "concat_kernels"),
+        ("  split copies", "split_kernels"),
         ("bytes written per inference", "bytes_written"),
         ("bytes copied by concatenates", "concat_bytes_copied"),
+        ("peak activation memory (bytes)", "activation_bytes"),
     ]
     width = max(len(r[0]) for r in rows)
     lines = ["== compiled (CPU, TVM default pipeline vs layerfuse) ==", f"{'':<{width}}  {'default':>14}  {'layerfuse':>14}  {'ratio':>6}"]

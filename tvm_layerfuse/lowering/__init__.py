@@ -1,0 +1,43 @@
+"""Lowering passes: concat offsets in one storage block and split-output buffers.
+
+They run on the fused PrimFuncs (after TVM's ``FuseOps``/``FuseTIR``, before any schedule
+and before ``StaticPlanBlockMemory``):
+
+* :class:`SplitOutputBuffers` (``split_outputs.py``) - a producer followed by a split
+  kernel writes each piece into its own buffer; the split kernel disappears;
+* :class:`InPlaceConcat` (``inplace_concat.py``) - every producer of a concat writes its
+  output straight into the concat's block at its offset (``byte_offset_i = o_i * H * W *
+  itemsize`` at batch 1, strided otherwise); the concat kernel disappears; nested concats
+  share one block;
+* :func:`layerfuse_pipeline` (``pipeline.py``) - TVM's default Relax pipeline for a target
+  with both passes after FuseTIR, for ``tvm.compile(..., relax_pipeline=...)``;
+* :func:`concat_report` - concat kernels, bytes they copy and planned activation memory.
+"""
+
+from .inplace_concat import InPlaceConcat, InPlaceReport
+from .pipeline import (
+    LayerfusePipeline,
+    concat_report,
+    default_passes,
+    format_concat_report,
+    layerfuse_passes,
+    layerfuse_pipeline,
+    plan_check,
+    plan_memory,
+)
+from .split_outputs import SplitOutputBuffers, SplitReport
+
+__all__ = [
+    "InPlaceConcat",
+    "InPlaceReport",
+    "LayerfusePipeline",
+    "SplitOutputBuffers",
+    "SplitReport",
+    "concat_report",
+    "default_passes",
+    "format_concat_report",
+    "layerfuse_passes",
+    "layerfuse_pipeline",
+    "plan_check",
+    "plan_memory",
+]
