@@ -186,3 +186,31 @@ def assert_realizes(model: onnx.ModelProto, p: Optional[FusionPlan] = None, *, s
         assert e.shape == g.shape
         assert rel_err(e, g) <= RTOL, f"fused model differs: relative error {rel_err(e, g):.3g} > {RTOL}"
     return p
+
+
+def compile_and_compare(model: onnx.ModelProto, *, seed: int = 1):
+    """Layerfuse and TVM's default pipeline, both built for this CPU, against onnxruntime and
+    against each other (fp32, ``RTOL``). Returns ``(fuse result, fused KernelCount, default
+    KernelCount)``; every layerfuse group must be exactly one kernel named after its template."""
+    import tvm
+
+    from tvm_layerfuse.relax.pipeline import build, fuse_with_report, kernel_count, run, unfused
+
+    target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    feeds = feeds_for(model, seed=seed)
+    expected = run_ort(model, feeds)
+    result = fuse_with_report(model)
+    fused_ex = build(result.mod, target=target)
+    plain_ex = build(unfused(model), target=target)
+    got = run(fused_ex, list(feeds.values()))
+    base = run(plain_ex, list(feeds.values()))
+    assert len(got) == len(expected) == len(base)
+    for e, g, b in zip(expected, got, base):
+        assert g.shape == e.shape
+        assert rel_err(e, g) <= RTOL, f"layerfuse vs onnxruntime: {rel_err(e, g):.3g}"
+        assert rel_err(e, b) <= RTOL, f"TVM default vs onnxruntime: {rel_err(e, b):.3g}"
+        assert rel_err(b, g) <= RTOL, f"layerfuse vs TVM default: {rel_err(b, g):.3g}"
+    kernels = kernel_count(fused_ex)
+    ours = [n for n in kernels.names if n.startswith("layerfuse_")]
+    assert len(ours) == len(result.report["groups"]), (kernels.names, result.report["groups"])
+    return result, kernels, kernel_count(plain_ex)

@@ -6,13 +6,11 @@ input size) and the nine ONNX model-zoo networks with seeded random weights (the
 weights are constant fills). Whole-size model-zoo networks are marked slow.
 """
 
-import numpy as np
 import onnx
 import pytest
 
-from graphs import RTOL, feeds_for, rel_err, run_ort
+from graphs import compile_and_compare
 from tvm_layerfuse.planner import plan
-from tvm_layerfuse.relax.pipeline import build, count_kernels, fuse_with_report, run, unfused
 from tvm_layerfuse.testing import zoo
 from tvm_layerfuse.testing.weights import random_weights
 
@@ -32,18 +30,8 @@ SLOW_ZOO = ("inception_v3",)  # needs a 75x75 input: ~20 s
 
 
 def check_model(model: onnx.ModelProto, *, seed: int = 0) -> dict:
-    feeds = feeds_for(model, seed=seed)
-    expected = run_ort(model, feeds)
-    result = fuse_with_report(model)
-    fused_ex = build(result.mod)
-    plain_ex = build(unfused(model))
-    got = run(fused_ex, list(feeds.values()))
-    base = run(plain_ex, list(feeds.values()))
-    for e, g, b in zip(expected, got, base):
-        assert rel_err(e, g) <= RTOL, f"layerfuse vs onnxruntime: {rel_err(e, g):.3g}"
-        assert rel_err(e, b) <= RTOL, f"TVM default vs onnxruntime: {rel_err(e, b):.3g}"
-        assert rel_err(b, g) <= RTOL, f"layerfuse vs TVM default: {rel_err(b, g):.3g}"
-    return {"fused": count_kernels(fused_ex), "default": count_kernels(plain_ex), "report": result.report}
+    result, fused, default = compile_and_compare(model, seed=seed)
+    return {"fused": fused.launches, "default": default.launches, "report": result.report}
 
 
 @pytest.mark.parametrize(

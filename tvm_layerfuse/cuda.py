@@ -168,17 +168,24 @@ def nvcc_fatbin(arch: str) -> Iterator[None]:
             os.environ["CUDA_PATH"] = previous_path
 
 
-def device_code(path: Path) -> list[dict[str, object]]:
-    """The device images embedded in a library: ``[{"kind": "elf"|"ptx", "arch": "sm_90"}, ...]``.
-
-    Reads every fatbin (magic ``0xBA55ED50``) in the file and lists its entries.
-    """
-    data = Path(path).read_bytes()
+def _fatbins(data: bytes) -> Iterator[tuple[int, int, int]]:
+    """``(start, header_size, payload_size)`` of every fatbin (magic ``0xBA55ED50``) in ``data``."""
     magic = struct.pack("<I", FATBIN_MAGIC)
-    found = []
     start = data.find(magic)
     while start >= 0:
         _, header_size, fat_size = struct.unpack_from("<HHQ", data, start + 4)
+        yield start, header_size, fat_size
+        start = data.find(magic, start + header_size + fat_size)
+
+
+def device_code(path: Path) -> list[dict[str, object]]:
+    """The device images embedded in a library: ``[{"kind": "elf"|"ptx", "arch": "sm_90"}, ...]``.
+
+    Reads every fatbin in the file and lists its entries.
+    """
+    data = Path(path).read_bytes()
+    found = []
+    for start, header_size, fat_size in _fatbins(data):
         off, end = start + header_size, start + header_size + fat_size
         while off + 32 <= end:
             kind, _, entry_header, payload = struct.unpack_from("<HHIQ", data, off)
@@ -187,20 +194,15 @@ def device_code(path: Path) -> list[dict[str, object]]:
             if entry_header == 0:
                 break
             off += entry_header + payload
-        start = data.find(magic, end)
     return found
 
 
 def extract_fatbins(path: Path, out_dir: Path) -> list[Path]:
     """Write each embedded fatbin to ``out_dir`` (for ``cuobjdump --list-elf``)."""
     data = Path(path).read_bytes()
-    magic = struct.pack("<I", FATBIN_MAGIC)
     files = []
-    start = data.find(magic)
-    while start >= 0:
-        _, header_size, fat_size = struct.unpack_from("<HHQ", data, start + 4)
+    for start, header_size, fat_size in _fatbins(data):
         f = Path(out_dir) / f"image{len(files)}.fatbin"
         f.write_bytes(data[start : start + header_size + fat_size])
         files.append(f)
-        start = data.find(magic, start + header_size + fat_size)
     return files

@@ -38,7 +38,6 @@ zoo that the ``onnx`` package ships as "light" test models (weights are
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -47,6 +46,7 @@ import onnx
 from onnx import numpy_helper
 
 from ._builder import NetBuilder, check_options, model_inputs, random_inputs
+from ..models import LIGHT_MODELS, light_dir
 
 __all__ = [
     "BUILDERS",
@@ -648,21 +648,7 @@ BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
 
 
 # ---------------------------------------------------------------------- ONNX "light" models
-LIGHT_NAMES = (
-    "bvlc_alexnet",
-    "densenet121",
-    "inception_v1",
-    "inception_v2",
-    "resnet50",
-    "shufflenet",
-    "squeezenet",
-    "vgg19",
-    "zfnet512",
-)
-
-
-def _light_dir() -> Path:
-    return Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"
+LIGHT_NAMES = LIGHT_MODELS
 
 
 def light_models() -> dict[str, Path]:
@@ -672,7 +658,7 @@ def light_models() -> dict[str, Path]:
     files are tiny) with 224x224 inputs. Names: :data:`LIGHT_NAMES`. A name whose file this
     onnx installation lacks is left out.
     """
-    d = _light_dir()
+    d = light_dir()
     return {n: d / f"light_{n}.onnx" for n in LIGHT_NAMES if (d / f"light_{n}.onnx").is_file()}
 
 
@@ -687,10 +673,10 @@ def light_reference(name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
     models = light_models()
     if name not in models:
         raise FileNotFoundError(
-            f"light model {name!r} is not shipped with onnx {onnx.__version__} at {_light_dir()}; "
+            f"light model {name!r} is not shipped with onnx {onnx.__version__} at {light_dir()}; "
             f"expected one of {sorted(models)}"
         )
-    out_path = _light_dir() / f"light_{name}_output_0.pb"
+    out_path = light_dir() / f"light_{name}_output_0.pb"
     if not out_path.is_file():
         raise FileNotFoundError(f"light model {name!r} has no reference output {out_path}")
     model = onnx.load(str(models[name]), load_external_data=False)
