@@ -8,9 +8,12 @@ interrupt ends with status 130. Without a MODEL argument the built-in GoogLeNet
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -208,13 +211,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing bundle directory")
     p.set_defaults(func=cmd_bundle)
 
-    try:
-        from .rpc import add_deploy_parser
-    except ImportError:  # pragma: no cover - the RPC module is part of the package
-        add_deploy_parser = None
-    if add_deploy_parser is not None:
-        add_deploy_parser(sub)
+    from .rpc import add_deploy_parser
+
+    add_deploy_parser(sub, parents=[_verbosity_parent()])
     return parser
+
+
+@contextlib.contextmanager
+def _watch_interrupts():
+    """Record each SIGINT (still raising KeyboardInterrupt) while the command runs."""
+    seen: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    # Only Python's own handler is wrapped: an ignored SIGINT stays ignored, and signal
+    # handlers can only be set from the main thread.
+    if previous is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -225,17 +247,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
+    with _watch_interrupts() as interrupts:
+        return _run(args, interrupts)
+
+
+def _run(args: argparse.Namespace, interrupts: list[int]) -> int:
     try:
         return int(args.func(args) or 0)
-    except LayerfuseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
-    except Exception as e:  # an internal error, not the user's: say so in one line unless --verbose
+    except Exception as e:
+        if interrupts:
+            # Ctrl-C inside a Python callback that TVM called from C++ (our Relax passes)
+            # comes back out of TVM's FFI as a RuntimeError, or wrapped in our BuildError.
+            print("error: interrupted; nothing was written", file=sys.stderr)
+            return 130
+        if isinstance(e, LayerfuseError):
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
+        if isinstance(e, BrokenPipeError):
+            return 0
+        # an internal error, not the user's: say so in one line unless --verbose
         if args.verbose:
             raise
         print(
