@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import statistics
+import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
@@ -119,48 +120,46 @@ class Runtime:
         order = spec.get("order", [])
         if not order:
             return []
-        with np.load(self.path / spec["file"], allow_pickle=False) as data:
-            missing = [n for n in order if n not in data.files]
-            if missing:
-                raise ArtifactError(f"weights file of {str(self.path)!r} lacks {missing[:3]}; re-run `compile`")
-            return [tvm.runtime.tensor(_contiguous(data[n]), self.device) for n in order]
+        where = f"weights file {spec['file']!r} of artifact {str(self.path)!r}"
+        try:
+            with np.load(self.path / spec["file"], allow_pickle=False) as data:
+                if not hasattr(data, "files"):
+                    raise ArtifactError(f"{where} is a single array, not an .npz archive; re-run `compile`")
+                missing = [n for n in order if n not in data.files]
+                if missing:
+                    raise ArtifactError(f"{where} lacks {missing[:3]}; re-run `compile`")
+                arrays = [data[n] for n in order]
+        except ValueError as e:
+            if "allow_pickle" in str(e):  # object arrays: loading them would unpickle
+                raise ArtifactError(
+                    f"{where} holds pickled Python objects ({_first_line(e)}); weights are plain arrays and "
+                    "pickles are never loaded - refusing it, re-run `compile`"
+                ) from None
+            raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
+        except (OSError, EOFError, zipfile.BadZipFile) as e:
+            raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
+        for n, a in zip(order, arrays):
+            if a.dtype.kind not in "biufc":
+                raise ArtifactError(f"{where} holds {n!r} of dtype {a.dtype}; expected numeric weights - re-run `compile`")
+        return [tvm.runtime.tensor(_contiguous(a), self.device) for a in arrays]
 
     # ------------------------------------------------------------------ inference
     def _arguments(self, inputs: Inputs) -> list[Any]:
-        names = [i["name"] for i in self.inputs]
-        if isinstance(inputs, np.ndarray):
-            inputs = [inputs]
-        if isinstance(inputs, Mapping):
-            unknown = sorted(set(inputs) - set(names))
-            if unknown:
-                raise InputError(f"input {unknown[0]!r} is not an input of this model; expected {names}")
-            missing = [n for n in names if n not in inputs]
-            if missing:
-                raise InputError(f"input {missing[0]!r} is missing; expected values for {names}")
-            values = [inputs[n] for n in names]
-        else:
-            values = list(inputs)
-            if len(values) != len(names):
-                raise InputError(f"{len(values)} inputs given; expected {len(names)}: {names}")
-        args = []
-        for spec, value in zip(self.inputs, values):
-            value = np.asarray(value)
-            if list(value.shape) != list(spec["shape"]):
-                raise InputError(
-                    f"input {spec['name']!r} has shape {list(value.shape)}; expected {spec['shape']} - "
-                    "reshape it or compile with --input-shape"
-                )
-            if value.dtype != np.dtype(spec["dtype"]):
-                raise InputError(
-                    f"input {spec['name']!r} has dtype {value.dtype}; expected {spec['dtype']} - "
-                    f"convert it with .astype('{spec['dtype']}')"
-                )
-            args.append(self._tvm.runtime.tensor(_contiguous(value), self.device))
-        return args + self._params
+        values = check_inputs(self.inputs, inputs)
+        return [self._tvm.runtime.tensor(_contiguous(v), self.device) for v in values] + self._params
 
     def run(self, inputs: Inputs) -> dict[str, np.ndarray]:
         """Run one inference; returns ``{output name: array}``."""
-        result = self._vm["main"](*self._arguments(inputs))
+        args = self._arguments(inputs)  # inputs checked against the manifest here
+        try:
+            result = self._vm["main"](*args)
+        except (ValueError, TypeError) as e:
+            # The inputs fit the manifest, so the library refused the weights (or the manifest):
+            # the artifact's files do not belong together.
+            raise ArtifactError(
+                f"the library of artifact {str(self.path)!r} rejects its arguments ({_first_line(e)}); "
+                "its weights file or manifest does not match the library - re-run `compile`"
+            ) from None
         values = list(result) if not hasattr(result, "numpy") else [result]
         names = [o["name"] for o in self.outputs]
         if len(values) != len(names):
@@ -173,6 +172,46 @@ class Runtime:
         res = timer(*self._arguments(inputs))
         times = [t * 1e3 for t in res.results]
         return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeat": len(times)}
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0][:200] if lines else type(e).__name__
+
+
+def check_inputs(specs: Sequence[dict[str, Any]], inputs: Inputs) -> list[np.ndarray]:
+    """``inputs`` (one array, a list in order, or a mapping by name) as arrays in ``specs``
+    order, refused with a one-line message when a name, shape or dtype does not match."""
+    names = [i["name"] for i in specs]
+    if isinstance(inputs, np.ndarray):
+        inputs = [inputs]
+    if isinstance(inputs, Mapping):
+        unknown = sorted(set(inputs) - set(names))
+        if unknown:
+            raise InputError(f"input {unknown[0]!r} is not an input of this model; expected {names}")
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise InputError(f"input {missing[0]!r} is missing; expected values for {names}")
+        values = [inputs[n] for n in names]
+    else:
+        values = list(inputs)
+        if len(values) != len(names):
+            raise InputError(f"{len(values)} inputs given; expected {len(names)}: {names}")
+    out = []
+    for spec, value in zip(specs, values):
+        value = np.asarray(value)
+        if list(value.shape) != list(spec["shape"]):
+            raise InputError(
+                f"input {spec['name']!r} has shape {list(value.shape)}; expected {spec['shape']} - "
+                "reshape it or compile with --input-shape"
+            )
+        if value.dtype != np.dtype(spec["dtype"]):
+            raise InputError(
+                f"input {spec['name']!r} has dtype {value.dtype}; expected {spec['dtype']} - "
+                f"convert it with .astype('{spec['dtype']}')"
+            )
+        out.append(value)
+    return out
 
 
 def _contiguous(a: np.ndarray) -> np.ndarray:
