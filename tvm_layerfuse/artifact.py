@@ -14,6 +14,7 @@ library is loaded, and nothing in an artifact is ever unpickled.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LIBRARY = "model.so"
 PARAMS = "params.npz"
+MAX_ELEMENTS = 1 << 34  # per input/output tensor, as topology.onnx_reader.MAX_TENSOR_ELEMENTS
 
 
 def sha256_file(path: Path) -> str:
@@ -66,7 +68,62 @@ def read_manifest(path: Path) -> dict[str, Any]:
     for key in ("files", "library", "inputs", "outputs", "target"):
         if key not in manifest:
             raise ArtifactError(f"{str(mpath)!r} lacks {key!r}; re-run `compile`")
+    problem = _schema_problem(manifest)
+    if problem:
+        raise ArtifactError(f"{str(mpath)!r} is malformed: {problem}; re-run `compile`")
     return manifest
+
+
+def _is_dtype(name: str) -> bool:
+    import numpy as np
+
+    try:
+        return np.dtype(name).kind in "biufc"
+    except TypeError:
+        return False
+
+
+def _schema_problem(m: dict[str, Any]) -> Optional[str]:
+    """What is wrong with the types of a manifest's fields (an artifact is untrusted input), or None."""
+    if not isinstance(m["files"], dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in m["files"].items()
+    ):
+        return "'files' must map file names to sha256 strings"
+    if not isinstance(m["library"], str):
+        return "'library' must be a file name"
+    if not isinstance(m["target"], dict):
+        return "'target' must be an object"
+    for key in ("inputs", "outputs"):
+        entries = m[key]
+        if not isinstance(entries, list):
+            return f"{key!r} must be a list"
+        for k, e in enumerate(entries):
+            ok = (
+                isinstance(e, dict)
+                and isinstance(e.get("name"), str)
+                and isinstance(e.get("shape"), list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e["shape"])
+                and isinstance(e.get("dtype"), str)
+            )
+            if not ok:
+                return f"{key}[{k}] must be {{name, shape: [ints], dtype}}, found {str(e)[:80]}"
+            if not _is_dtype(e["dtype"]):
+                return f"{key}[{k}] has dtype {e['dtype'][:40]!r}, which is no numeric dtype"
+            elements = 1
+            for d in e["shape"]:
+                elements *= d
+            if elements > MAX_ELEMENTS:
+                return f"{key}[{k}] declares shape {e['shape']} ({elements:.3g} elements, more than {MAX_ELEMENTS:.3g})"
+    params = m.get("params")
+    if params is not None:
+        if not isinstance(params, dict):
+            return "'params' must be an object {file, order}"
+        order = params.get("order", [])
+        if not isinstance(order, list) or not all(isinstance(n, str) for n in order):
+            return "'params.order' must be a list of weight names"
+        if order and not isinstance(params.get("file"), str):
+            return "'params.file' must be a file name"
+    return None
 
 
 def verify(path: Path, manifest: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -80,7 +137,10 @@ def verify(path: Path, manifest: Optional[dict[str, Any]] = None) -> dict[str, A
     for name, digest in files.items():
         f = (path / name).resolve()
         if root not in f.parents:
-            raise ArtifactError(f"manifest of {str(path)!r} names {name!r}, outside the artifact; refusing to load it")
+            where = "" if Path(name).is_absolute() or ".." in Path(name).parts else f" (it resolves to {str(f)!r})"
+            raise ArtifactError(
+                f"manifest of {str(path)!r} names {name!r}{where}, outside the artifact; refusing to load it"
+            )
         if not f.is_file():
             raise ArtifactError(f"artifact {str(path)!r} lacks {name!r}; expected it beside manifest.json - re-run `compile`")
         actual = sha256_file(f)
@@ -89,9 +149,16 @@ def verify(path: Path, manifest: Optional[dict[str, Any]] = None) -> dict[str, A
                 f"{name!r} in artifact {str(path)!r} has sha256 {actual[:12]}…, the manifest says {str(digest)[:12]}…; "
                 "the file was changed or damaged - re-run `compile` or copy the artifact again"
             )
-    for key in ("library",):
-        if manifest[key] not in files:
-            raise ArtifactError(f"manifest of {str(path)!r} names {key} {manifest[key]!r} without a checksum")
+    named = [("library", manifest["library"])]
+    params = manifest.get("params") or {}
+    if params.get("order"):
+        named.append(("params file", params["file"]))
+    for key, name in named:
+        if name not in files:
+            raise ArtifactError(
+                f"manifest of {str(path)!r} names {key} {name!r} without a checksum; refusing to load it - "
+                "re-run `compile`"
+            )
     return manifest
 
 
@@ -131,7 +198,14 @@ def write_artifact(out: Path, fill: Callable[[Path], dict[str, Any]], *, overwri
             os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UsageError(f"cannot write artifact {str(out)!r} ({e.strerror or e}); nothing was written") from None
+        advice = {
+            errno.EFBIG: "raise the file-size limit (ulimit -f) or choose another -o",
+            errno.EACCES: "choose a writable -o",
+            errno.EROFS: "choose a writable -o",
+        }.get(e.errno, "free space on that file system or choose another -o")
+        raise UsageError(
+            f"cannot write artifact {str(out)!r} ({e.strerror or e}); nothing was written - {advice}"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

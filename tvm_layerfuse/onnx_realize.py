@@ -54,7 +54,10 @@ def fold_affine(
         if not entry.get("folded"):
             continue
         layer = first.layer(entry["layer"])
-        rank = len(first.tensor(layer.outputs[0]).shape)
+        # The conv output's rank is the weight's (N, C, spatial...); shape inference may have
+        # left the tensor's shape unknown (e.g. after a Concat-4 with a negative axis).
+        shape = first.tensor(layer.outputs[0]).shape
+        rank = len(shape) if shape is not None else w.ndim
         if layer.op_type == "BatchNormalization":
             gamma, beta, mean, var = (first.tensor(n).value().astype(np.float64) for n in layer.inputs[1:5])
             eps = float(layer.attrs.get("epsilon", 1e-5))

@@ -25,6 +25,26 @@ from .topology.onnx_reader import ModelSource, read_onnx
 
 log = logging.getLogger(__name__)
 
+TVM_CONVERTERS_VERSION = "0.27"
+TVM_UNSUPPORTED_ONNX_OPS = frozenset(
+    """Bernoulli BitCast BlackmanWindow CausalConvWithState Celu CenterCropPad Col2Im ConvInteger CumProd DFT
+    DeformConv Det GRU HammingWindow HannWindow If ImageDecoder LSTM LinearAttention Loop LpNormalization
+    MelWeightMatrix Multinomial NegativeLogLikelihoodLoss QLinearConv QLinearMatMul RNN RandomNormal
+    RandomNormalLike RandomUniform RandomUniformLike RegexFullMatch ReverseSequence RotaryEmbedding STFT Scan
+    SequenceMap SoftmaxCrossEntropyLoss StringConcat StringNormalizer StringSplit SwiGLU Swish TensorScatter
+    TfIdfVectorizer""".split()
+)
+"""Default-domain ONNX ops without a converter in ``tvm.relax.frontend.onnx`` of TVM 0.27.
+
+Kept as data so that ``inspect`` can say so without importing TVM (seconds); a test
+compares it with the installed TVM's converter map, so a TVM upgrade that adds or drops
+converters shows up as a failing test, not as a stale note."""
+
+
+def tvm_unsupported_layers(graph: TopologyGraph) -> list[tuple[str, str]]:
+    """``(layer name, op type)`` of the default-domain layers TVM's ONNX importer cannot convert."""
+    return [(l.name, l.op_type) for l in graph if not l.domain and l.op_type in TVM_UNSUPPORTED_ONNX_OPS]
+
 
 @dataclass
 class FusionPlan:
@@ -61,11 +81,31 @@ class FusionPlan:
         }
 
     def graph_notes(self) -> list[str]:
-        """Facts about the model that limit fusion (ops ONNX does not define, ...)."""
+        """Facts about the model that limit fusion or compilation (ops ONNX does not define,
+        ops TVM's importer cannot convert, weights holding NaN/Inf)."""
+        notes = []
         unknown = self.first.meta.get("unknown_ops", [])
-        if not unknown:
-            return []
-        return [f"ops ONNX does not define are kept as opaque layers, never fused: {', '.join(unknown)}"]
+        if unknown:
+            notes.append(f"ops ONNX does not define are kept as opaque layers, never fused: {', '.join(unknown)}")
+        missing = tvm_unsupported_layers(self.first)
+        if missing:
+            ops = sorted({op for _, op in missing})
+            layers = ", ".join(repr(name) for name, _ in missing[:3]) + (" ..." if len(missing) > 3 else "")
+            notes.append(
+                f"TVM {TVM_CONVERTERS_VERSION}'s ONNX importer has no converter for {', '.join(ops)} (layers {layers}); "
+                "`compile` will refuse this model - replace those ops or register a converter in "
+                "tvm.relax.frontend.onnx"
+            )
+        nonfinite = self.first.meta.get("nonfinite_constants", [])
+        if nonfinite:
+            shown = ", ".join(f"{e['name']!r} ({e['count']} of {e['size']} values)" for e in nonfinite[:3])
+            more = f" and {len(nonfinite) - 3} more" if len(nonfinite) > 3 else ""
+            notes.append(
+                f"weights hold NaN/Inf values: {shown}{more}; outputs they reach become NaN/Inf, or are "
+                "silently clamped where a Relu/Clip follows (TVM's max/min drop NaN, onnxruntime keeps it) - "
+                "check the training run or the export"
+            )
+        return notes
 
     def to_dict(self, *, graphs: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -376,6 +376,8 @@ def _order_residual_operands(func: relax.Function, plan_spec: Optional[Mapping[s
         return None
 
     def rewrite(orig: relax.Expr, _m: dict) -> relax.Expr:
+        if not isinstance(orig, relax.Call):  # a variable aliasing a matching call
+            return orig
         if len(orig.args) != 2 or any(facts.is_static(x) for x in orig.args):
             return orig
         first, second = orig.args

@@ -69,7 +69,7 @@ def import_onnx(
         model, label = load_model(model_or_path), Path(model_or_path).name
     graph = read_onnx(model, input_shapes=input_shapes, name=label)
     _refuse_training_mode(graph)
-    prepared = materialize_constants(model, graph)
+    prepared = _integer_initializers_as_constants(materialize_constants(model, graph))
     if canonicalize:
         prepared = _sum_to_add(prepared)
     shape_dict = {name: [int(d) for d in graph.tensor(name).shape] for name in graph.inputs}
@@ -133,6 +133,37 @@ def _first_line(e: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------- ONNX rewrites
+def _integer_initializers_as_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Integer and bool initializers (shapes, axes, indices: never weights) become ``Constant``
+    nodes, so that TVM's importer sees constants, not parameters.
+
+    With ``keep_params_in_input=True`` every initializer becomes a parameter of ``main``;
+    converters that do not look parameters up (``Expand``'s shape, for one) then build a
+    data-dependent shape that is not even well formed. Weights to fold are floats and stay
+    initializers."""
+    ints = [t for t in model.graph.initializer if t.data_type not in _FLOAT_TENSOR_TYPES]
+    if not ints:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    keep = [t for t in out.graph.initializer if t.data_type in _FLOAT_TENSOR_TYPES]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(keep)
+    constants = [onnx.helper.make_node("Constant", [], [t.name], name=f"{t.name}__constant", value=t) for t in ints]
+    nodes = constants + list(out.graph.node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+_FLOAT_TENSOR_TYPES = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+}
+
+
 def _sum_to_add(model: onnx.ModelProto) -> onnx.ModelProto:
     """``Sum(a, b, c)`` -> ``Add(Add(a, b), c)`` (same broadcasting, same order of addition);
     ``Sum(a)`` -> ``Identity(a)``."""
@@ -171,6 +202,10 @@ def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
     replaced = []
 
     def rewrite(orig: relax.Expr, _m: Any) -> relax.Expr:
+        if not isinstance(orig, relax.Call):
+            # The matcher also offers a variable bound to a matching call (an output alias
+            # ``gv = lv`` after a call_tir); the call itself is offered separately.
+            return orig
         gv, args = orig.args[0], orig.args[1]
         func = mod[gv] if gv in mod.get_global_vars() else None
         if not isinstance(func, tvm.tirx.PrimFunc) or not isinstance(args, relax.Tuple) or len(args.fields) != 2:

@@ -140,6 +140,8 @@ class _Reader:
             for out in node.output:
                 if out:
                     shape, dtype = types.get(out, (None, None))
+                    if shape is not None:  # refused before anything (TVM's memory plan) is sized by it
+                        _refuse_huge(self.label, out, shape)
                     tensors[out] = Tensor(out, shape=shape, dtype=dtype)
             layers.append(
                 Layer(
@@ -158,6 +160,18 @@ class _Reader:
             if (layer.domain, layer.op_type) in unknown:
                 layer.attrs.setdefault("_unknown_op", True)
         meta = {"unknown_ops": sorted(f"{d or 'ai.onnx'}::{op}" for d, op in unknown)}
+        nonfinite = _nonfinite_constants(graph)
+        if nonfinite:
+            meta["nonfinite_constants"] = nonfinite
+        key = (self.label, tuple(e["name"] for e in nonfinite))
+        if nonfinite and key not in _WARNED:  # once per model and process (compile reads it twice)
+            _WARNED.add(key)
+            log.warning(
+                "model %s has weights with NaN/Inf values (%s); the outputs they reach are NaN/Inf or clamped - "
+                "check the export",
+                self.label,
+                ", ".join(f"{e['name']!r}: {e['count']} of {e['size']}" for e in nonfinite[:3]),
+            )
         if unknown:
             log.warning(
                 "model %s uses ops ONNX does not define (%s); they are kept as opaque layers and never fused",
@@ -456,6 +470,45 @@ def _node_value_fn(node: onnx.NodeProto, opset: int, feeds: list[Tensor]):
 
 def _pick(fn, k: int):
     return lambda: np.asarray(fn()[k])
+
+
+_WARNED: set[tuple[str, tuple[str, ...]]] = set()
+_FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+}
+
+
+def _nonfinite_constants(graph: onnx.GraphProto) -> list[dict[str, Any]]:
+    """Float initializers and ``Constant`` values holding NaN or Inf: ``[{name, count, size}]``
+    (an infinite *scalar* is not counted: it is a bound, e.g. Clip's max).
+
+    One pass of ``np.isfinite`` over each float constant (the values are read from the
+    protobuf without copying where numpy allows); constants computed by folded op chains
+    (``ConstantOfShape`` ...) are not evaluated here."""
+    tensors = [(t.name, t) for t in graph.initializer]
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    tensors.append((node.output[0], a.t))
+    found = []
+    for name, t in tensors:
+        if t.data_type not in _FLOAT_TYPES or t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        try:
+            values = numpy_helper.to_array(t)
+        except Exception:  # a malformed tensor is onnx.checker's business, not this note's
+            continue
+        if values.size == 1:  # a scalar: a bound (Clip max = inf) may legitimately be infinite
+            bad = int(np.isnan(values).sum())
+        else:
+            bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+        if bad:
+            found.append({"name": name, "count": bad, "size": int(values.size)})
+    return found
 
 
 def _refuse_huge(label: str, name: str, shape: Sequence[Optional[int]]) -> None:
