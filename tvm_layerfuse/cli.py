@@ -239,7 +239,18 @@ def _watch_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
+INTERRUPTED = "error: interrupted; nothing was written"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command started (imports, argument parsing)
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
@@ -255,13 +266,13 @@ def _run(args: argparse.Namespace, interrupts: list[int]) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
     except Exception as e:
         if interrupts:
             # Ctrl-C inside a Python callback that TVM called from C++ (our Relax passes)
             # comes back out of TVM's FFI as a RuntimeError, or wrapped in our BuildError.
-            print("error: interrupted; nothing was written", file=sys.stderr)
+            print(INTERRUPTED, file=sys.stderr)
             return 130
         if isinstance(e, LayerfuseError):
             print(f"error: {e}", file=sys.stderr)
