@@ -56,7 +56,7 @@ import numpy as np
 
 from . import artifact
 from .errors import ArtifactError, LayerfuseError, UsageError
-from .runtime import _contiguous, check_inputs, parse_device
+from .runtime import _contiguous, check_inputs, parse_device, read_weights
 
 log = logging.getLogger(__name__)
 
@@ -254,32 +254,6 @@ def random_inputs(manifest: Mapping[str, Any], *, seed: int = 0) -> dict[str, np
         else:
             values[spec["name"]] = rng.integers(0, 10, shape).astype(dtype)
     return values
-
-
-def read_weights(path: Path, file: str, order: Sequence[str]) -> list[np.ndarray]:
-    """The artifact's weights in ``order``: plain numeric arrays only, never unpickled."""
-    import zipfile
-
-    where = f"weights file {file!r} of artifact {str(path)!r}"
-    try:
-        with np.load(Path(path) / file, allow_pickle=False) as data:
-            if not hasattr(data, "files"):
-                raise ArtifactError(f"{where} is a single array, not an .npz archive; re-run `compile`")
-            missing = [n for n in order if n not in data.files]
-            if missing:
-                raise ArtifactError(f"{where} lacks {missing[:3]}; re-run `compile`")
-            arrays = [data[n] for n in order]
-    except ValueError as e:  # object arrays: loading them would unpickle
-        raise ArtifactError(
-            f"{where} holds pickled Python objects ({_first_line(e)}); weights are plain arrays and pickles are "
-            "never loaded - refusing it, re-run `compile`"
-        ) from None
-    except (OSError, EOFError, zipfile.BadZipFile) as e:
-        raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
-    for n, a in zip(order, arrays):
-        if a.dtype.kind not in "biufc":
-            raise ArtifactError(f"{where} holds {n!r} of dtype {a.dtype}; expected numeric weights - re-run `compile`")
-    return [_contiguous(a) for a in arrays]
 
 
 def elf_machine(head: bytes) -> Optional[str]:

@@ -120,28 +120,7 @@ class Runtime:
         order = spec.get("order", [])
         if not order:
             return []
-        where = f"weights file {spec['file']!r} of artifact {str(self.path)!r}"
-        try:
-            with np.load(self.path / spec["file"], allow_pickle=False) as data:
-                if not hasattr(data, "files"):
-                    raise ArtifactError(f"{where} is a single array, not an .npz archive; re-run `compile`")
-                missing = [n for n in order if n not in data.files]
-                if missing:
-                    raise ArtifactError(f"{where} lacks {missing[:3]}; re-run `compile`")
-                arrays = [data[n] for n in order]
-        except ValueError as e:
-            if "allow_pickle" in str(e):  # object arrays: loading them would unpickle
-                raise ArtifactError(
-                    f"{where} holds pickled Python objects ({_first_line(e)}); weights are plain arrays and "
-                    "pickles are never loaded - refusing it, re-run `compile`"
-                ) from None
-            raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
-        except (OSError, EOFError, zipfile.BadZipFile) as e:
-            raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
-        for n, a in zip(order, arrays):
-            if a.dtype.kind not in "biufc":
-                raise ArtifactError(f"{where} holds {n!r} of dtype {a.dtype}; expected numeric weights - re-run `compile`")
-        return [tvm.runtime.tensor(_contiguous(a), self.device) for a in arrays]
+        return [tvm.runtime.tensor(a, self.device) for a in read_weights(self.path, spec["file"], order)]
 
     # ------------------------------------------------------------------ inference
     def _arguments(self, inputs: Inputs) -> list[Any]:
@@ -177,6 +156,32 @@ class Runtime:
 def _first_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0][:200] if lines else type(e).__name__
+
+
+def read_weights(path: Path, file: str, order: Sequence[str]) -> list[np.ndarray]:
+    """The artifact's weights in ``order``: plain numeric arrays only, never unpickled."""
+    where = f"weights file {file!r} of artifact {str(path)!r}"
+    try:
+        with np.load(Path(path) / file, allow_pickle=False) as data:
+            if not hasattr(data, "files"):
+                raise ArtifactError(f"{where} is a single array, not an .npz archive; re-run `compile`")
+            missing = [n for n in order if n not in data.files]
+            if missing:
+                raise ArtifactError(f"{where} lacks {missing[:3]}; re-run `compile`")
+            arrays = [data[n] for n in order]
+    except ValueError as e:
+        if "allow_pickle" in str(e):  # object arrays: loading them would unpickle
+            raise ArtifactError(
+                f"{where} holds pickled Python objects ({_first_line(e)}); weights are plain arrays and pickles "
+                "are never loaded - refusing it, re-run `compile`"
+            ) from None
+        raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
+    for n, a in zip(order, arrays):
+        if a.dtype.kind not in "biufc":
+            raise ArtifactError(f"{where} holds {n!r} of dtype {a.dtype}; expected numeric weights - re-run `compile`")
+    return [_contiguous(a) for a in arrays]
 
 
 def check_inputs(specs: Sequence[dict[str, Any]], inputs: Inputs) -> list[np.ndarray]:

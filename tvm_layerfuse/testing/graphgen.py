@@ -282,6 +282,7 @@ class _Generator:
             params.update(groups=1)
         act = self.act_spec(ACTIVATIONS[:4]) if c.flag(0.8) else None
         branches = []
+        first = -1  # index of branch 0's Conv node, set once it is built
         for i in range(n):
             p = params
             if i > 0 and c.flag(0.2):  # one branch differs: a refusal to report
