@@ -71,6 +71,7 @@ def _worker(tasks, results, options) -> None:
                 "findings": [f.to_dict() for f in res.findings],
                 "refused": res.refused,
                 "errors": res.errors,
+                "plain_errors": res.plain_errors,
                 "timings": res.timings,
                 "nodes": len(model.graph.node),
             }
@@ -287,6 +288,8 @@ def _summary(args, records, by_kind, elapsed) -> None:
         print(f"fused build refused with a clear error: {sum(refused.values())} ({dict(refused)})")
     if worst:
         print("worst error per comparison (rule: <= 1e-4): " + ", ".join(f"{k} {v:.2g}" for k, v in sorted(worst.items())))
+        floor = [r["seed"] for r in records if any(v > 1e-4 for v in (r.get("plain_errors") or {}).values())]
+        print(f"graphs that pass only through the near-zero floor (plain max|a-b|/max|a| > 1e-4): {len(floor)} {floor[:10]}")
     if args.keep_failures and bad:
         print(f"reproducers in {args.keep_failures}/seed<S>-<kind>/ (original.onnx, reduced.onnx, finding.json)")
 
