@@ -66,7 +66,7 @@ import tvm
 from tvm import relax
 
 from . import _tir
-from .split_outputs import drop_unused_prim_funcs, is_primitive, plain_call_tir
+from .split_outputs import plain_call_tir, rewrite_relax_functions
 
 log = logging.getLogger(__name__)
 
@@ -273,19 +273,9 @@ class InPlaceConcat:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = InPlaceReport()
-        bb = relax.BlockBuilder(mod)
-        replaced: set = set()
-        changed = False
-        for gv, func in list(mod.functions_items()):
-            if not isinstance(func, relax.Function) or is_primitive(func) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            new = self._rewrite_function(gv.name_hint, func, mod, bb, replaced)
-            if new is not None:
-                bb.update_func(gv, new)
-                changed = True
-        if not changed:
+        out = rewrite_relax_functions(mod, self._rewrite_function)
+        if out is None:
             return mod
-        out = drop_unused_prim_funcs(bb.get(), replaced)
         if not relax.analysis.check_well_formed(out):  # never hand on a broken module: undo everything
             for entry in self.report.concats:
                 if entry["status"] != "fallback":

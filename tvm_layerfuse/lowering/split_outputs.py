@@ -91,6 +91,24 @@ def var_uses(func: relax.Function) -> dict:
     return counts
 
 
+def rewrite_relax_functions(mod: tvm.IRModule, rewrite) -> Optional[tvm.IRModule]:
+    """Apply ``rewrite(name, func, mod, bb, replaced)`` to every non-primitive Relax function
+    of ``mod``; ``rewrite`` returns the new function or None, and adds to ``replaced`` the
+    PrimFuncs it made unused. Returns the new module without those PrimFuncs, or None when
+    nothing changed. (The caller checks the result is well formed.)"""
+    bb = relax.BlockBuilder(mod)
+    replaced: set = set()
+    changed = False
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function) or is_primitive(func) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        new = rewrite(gv.name_hint, func, mod, bb, replaced)
+        if new is not None:
+            bb.update_func(gv, new)
+            changed = True
+    return drop_unused_prim_funcs(bb.get(), replaced) if changed else None
+
+
 @tvm.transform.module_pass(opt_level=0, name="SplitOutputBuffers")
 class SplitOutputBuffers:
     """Let the producer of a split write the pieces (see the module docstring).
@@ -104,19 +122,9 @@ class SplitOutputBuffers:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = SplitReport()
-        bb = relax.BlockBuilder(mod)
-        replaced: set = set()
-        changed = False
-        for gv, func in list(mod.functions_items()):
-            if not isinstance(func, relax.Function) or is_primitive(func) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            new = self._rewrite_function(gv.name_hint, func, mod, bb, replaced)
-            if new is not None:
-                bb.update_func(gv, new)
-                changed = True
-        if not changed:
+        out = rewrite_relax_functions(mod, self._rewrite_function)
+        if out is None:
             return mod
-        out = drop_unused_prim_funcs(bb.get(), replaced)
         if not relax.analysis.check_well_formed(out):  # never hand on a broken module: undo everything
             for entry in self.report.rewritten:
                 self.report.refused.append({"function": entry["function"], "split": entry["split"], "reason": "internal: the rewritten module was not well formed"})
