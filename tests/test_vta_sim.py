@@ -1,0 +1,196 @@
+"""The functional VTA simulator: small LOAD/GEMM/ALU/STORE programs against numpy, token misuse."""
+
+import numpy as np
+import pytest
+
+from tvm_layerfuse.vta import isa
+from tvm_layerfuse.vta.config import DEFAULT
+from tvm_layerfuse.vta.sim import DRAM, DeadlockError, HazardError, Simulator, VTAProgramError
+
+B = DEFAULT.block
+
+
+def _place(dram: DRAM, array: np.ndarray, elem_bytes: int) -> int:
+    """Write ``array`` to DRAM; its address in units of ``elem_bytes``."""
+    addr = dram.alloc(array.nbytes, align=256)
+    dram.write(addr, array)
+    return addr // elem_bytes
+
+
+def _gemm_program(rng, *, relu_shift: int = 0, residual: bool = False):
+    """acc[r] = sum_k X[r, k-block] . W[k-block]^T  for 4 rows and 2 input blocks, then
+    (+ bias via register ADD) (+ residual via acc8 LOAD) >> shift, ReLU, clamp, STORE."""
+    dram = DRAM()
+    rows, kb = 4, 2
+    x = rng.integers(-128, 128, size=(kb, rows, B), dtype=np.int8)  # [k-block, row, 16]
+    w = rng.integers(-128, 128, size=(kb, B, B), dtype=np.int8)  # [k-block, out, in]
+    bias = rng.integers(-5000, 5000, size=(1, B), dtype=np.int32)
+    res = rng.integers(-128, 128, size=(rows, B), dtype=np.int8)
+    x_a = _place(dram, x, 16)
+    w_a = _place(dram, w, 256)
+    b_a = _place(dram, bias, 64)
+    r_a = _place(dram, res, 16)
+    out_a = _place(dram, np.zeros((rows, B), np.int8), 16)
+    # uops: [0] GEMM  dst=row(0)  src=kblock*rows  wgt=kblock   (loops: out=k-block, in=row)
+    #       [1] reset dst=0;  [2] ALU dst=0 src=bias slot; [3] ALU dst=0 src=residual slot
+    bias_slot, res_slot = rows, rows + 1
+    uops = isa.encode_uops([isa.Uop(0, 0, 0), isa.Uop(0, 0, 0), isa.Uop(0, bias_slot, 0), isa.Uop(0, res_slot, 0)])
+    u_a = _place(dram, uops, 4)
+    prog = [
+        isa.MemInsn(memory_type=isa.MEM_INP, sram_base=0, dram_base=x_a, y_size=1, x_size=kb * rows, x_stride=kb * rows),
+        isa.MemInsn(memory_type=isa.MEM_WGT, sram_base=0, dram_base=w_a, y_size=1, x_size=kb, x_stride=kb, push_next=True),
+        isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u_a, y_size=1, x_size=4, x_stride=4),
+        isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=bias_slot, dram_base=b_a, y_size=1, x_size=1, x_stride=1),
+        isa.GemmInsn(reset_reg=True, uop_bgn=1, uop_end=2, iter_out=1, iter_in=rows, dst_factor_in=1, pop_prev=True),
+        isa.GemmInsn(uop_bgn=0, uop_end=1, iter_out=kb, iter_in=rows, dst_factor_in=1, src_factor_out=rows,
+                     src_factor_in=1, wgt_factor_out=1),
+        isa.AluInsn(uop_bgn=2, uop_end=3, iter_in=rows, dst_factor_in=1, alu_opcode=isa.ALU_ADD),
+    ]
+    expect = np.einsum("krj,koj->ro", x.astype(np.int64), w.astype(np.int64)) + bias
+    if residual:
+        prog.append(isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=res_slot, dram_base=r_a, y_size=1, x_size=1, x_stride=1))
+        # each row adds its own residual row: load all rows after the accumulators instead
+        prog[-1] = isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=res_slot, dram_base=r_a, y_size=1, x_size=rows, x_stride=rows)
+        prog.append(isa.AluInsn(uop_bgn=3, uop_end=4, iter_in=rows, dst_factor_in=1, src_factor_in=1, alu_opcode=isa.ALU_ADD))
+        expect = expect + res
+    if relu_shift:
+        prog.append(isa.AluInsn(uop_bgn=1, uop_end=2, iter_in=rows, dst_factor_in=1, alu_opcode=isa.ALU_SHR, use_imm=True, imm=relu_shift))
+        prog.append(isa.AluInsn(uop_bgn=1, uop_end=2, iter_in=rows, dst_factor_in=1, alu_opcode=isa.ALU_MAX, use_imm=True, imm=0))
+        prog.append(isa.AluInsn(uop_bgn=1, uop_end=2, iter_in=rows, dst_factor_in=1, alu_opcode=isa.ALU_MIN, use_imm=True, imm=127))
+        expect = np.clip(expect >> relu_shift, 0, 127)
+    prog[-1] = _with(prog[-1], push_next=True)
+    prog += [
+        isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=0, dram_base=out_a, y_size=1, x_size=rows,
+                    x_stride=rows, pop_prev=True, push_prev=True),
+        isa.FinishInsn(pop_next=True),
+    ]
+    truncated = expect.astype(np.int64).astype(np.int32).astype(np.int8)  # STORE keeps the low 8 bits
+    return dram, prog, out_a, truncated
+
+
+def _with(insn, **kw):
+    import dataclasses
+
+    return dataclasses.replace(insn, **kw)
+
+
+@pytest.mark.parametrize("shift, residual", [(0, False), (9, False), (7, True)])
+def test_gemm_alu_store_against_numpy(shift, residual):
+    rng = np.random.default_rng(shift)
+    dram, prog, out_a, expect = _gemm_program(rng, relu_shift=shift, residual=residual)
+    sim = Simulator(DEFAULT, dram)
+    stats = sim.run(isa.encode_stream(prog))  # through the bytes VTA would fetch
+    got = dram.read(out_a * 16, expect.size).view(np.int8).reshape(expect.shape)
+    np.testing.assert_array_equal(got, expect)
+    assert stats.gemm_counter == 2 * 4 and stats.out_store_nbytes == 4 * 16
+    assert stats.inp_load_nbytes == 8 * 16 and stats.wgt_load_nbytes == 2 * 256 and stats.uop_load_nbytes == 16
+    assert stats.insn_finish == 1 and stats.insn_store == 1
+
+
+def test_load_padding_and_strides():
+    rng = np.random.default_rng(1)
+    dram = DRAM()
+    img = rng.integers(-128, 128, size=(5, 7, B), dtype=np.int8)  # [H, W, 16]
+    a = _place(dram, img, 16)
+    out_a = _place(dram, np.zeros((4, 6, B), np.int8), 16)
+    # rows 1..3, columns 2..5 of the image with 1 zero row above, 2 below, 1 zero column left
+    load = isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=0, dram_base=a + 1 * 7 + 2, y_size=3, x_size=4,
+                       x_stride=7, y_pad_0=1, y_pad_1=2, x_pad_0=1, x_pad_1=1)
+    # 6 x 6 padded block lands in acc[0:36]; store its 6 x 6 (rows 0..3) into a 4 x 6 region
+    prog = [
+        _with(load, push_next=True),
+        isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=0, dram_base=out_a, y_size=4, x_size=6,
+                    x_stride=6, pop_prev=True, push_prev=True),
+        isa.FinishInsn(pop_next=True),
+    ]
+    Simulator(DEFAULT, dram).run(prog)
+    expect = np.zeros((6, 6, B), np.int8)
+    expect[1:4, 1:5] = img[1:4, 2:6]
+    got = dram.read(out_a * 16, 4 * 6 * B).view(np.int8).reshape(4, 6, B)
+    np.testing.assert_array_equal(got, expect[:4])
+
+
+def test_alu_register_ops_and_sequential_dependence():
+    """An ALU step that reads what an earlier step of the same instruction wrote (a running sum)."""
+    dram = DRAM()
+    vals = np.arange(4 * B, dtype=np.int32).reshape(4, B) - 20
+    a = _place(dram, vals, 64)
+    uops = isa.encode_uops([isa.Uop(1, 0, 0)])
+    u = _place(dram, uops, 4)
+    out_a = _place(dram, np.zeros((4, B), np.int8), 16)
+    prog = [
+        isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u, y_size=1, x_size=1, x_stride=1),
+        isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=0, dram_base=a, y_size=1, x_size=4, x_stride=4),
+        # acc[1+i] += acc[0+i] for i = 0..2: prefix sums, each step sees the previous result
+        isa.AluInsn(uop_bgn=0, uop_end=1, iter_in=3, dst_factor_in=1, src_factor_in=1, alu_opcode=isa.ALU_ADD, push_next=True),
+        isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=0, dram_base=out_a, y_size=1, x_size=4,
+                    x_stride=4, pop_prev=True, push_prev=True),
+        isa.FinishInsn(pop_next=True),
+    ]
+    Simulator(DEFAULT, dram).run(prog)
+    got = dram.read(out_a * 16, 4 * B).view(np.int8).reshape(4, B)
+    np.testing.assert_array_equal(got, np.cumsum(vals, axis=0).astype(np.int8))
+
+
+def test_shr_negative_shifts_left_and_mul():
+    dram = DRAM()
+    vals = np.array([[-7, 5, 100, -128] * (B // 4)], np.int32)
+    a = _place(dram, vals, 64)
+    u = _place(dram, isa.encode_uops([isa.Uop(0, 0, 0)]), 4)
+    out_a = _place(dram, np.zeros((1, B), np.int8), 16)
+    prog = [
+        isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u, y_size=1, x_size=1, x_stride=1),
+        isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=0, dram_base=a, y_size=1, x_size=1, x_stride=1),
+        isa.AluInsn(uop_bgn=0, uop_end=1, alu_opcode=isa.ALU_SHR, use_imm=True, imm=-2),
+        isa.AluInsn(uop_bgn=0, uop_end=1, alu_opcode=isa.ALU_MUL, use_imm=True, imm=3),
+        isa.AluInsn(uop_bgn=0, uop_end=1, alu_opcode=isa.ALU_SHR, use_imm=True, imm=3, push_next=True),
+        isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=0, dram_base=out_a, y_size=1, x_size=1,
+                    x_stride=1, pop_prev=True, push_prev=True),
+        isa.FinishInsn(pop_next=True),
+    ]
+    Simulator(DEFAULT, dram).run(prog)
+    got = dram.read(out_a * 16, B).view(np.int8)
+    np.testing.assert_array_equal(got, ((vals[0] * 4 * 3) >> 3).astype(np.int8))
+
+
+def test_popping_a_token_never_pushed_is_a_deadlock():
+    rng = np.random.default_rng(0)
+    dram, prog, _, _ = _gemm_program(rng)
+    prog[1] = _with(prog[1], push_next=False)  # the load never signals the compute module
+    with pytest.raises(DeadlockError, match="compute module at instruction 4 .* waits for a load->compute token"):
+        Simulator(DEFAULT, dram).run(prog)
+
+
+def test_missing_token_is_a_hazard_not_a_wrong_result():
+    rng = np.random.default_rng(0)
+    dram, prog, _, _ = _gemm_program(rng)
+    prog[1] = _with(prog[1], push_next=False)
+    prog[4] = _with(prog[4], pop_prev=False)  # compute no longer waits for its inputs
+    with pytest.raises(HazardError, match="GEMM reads input elements a LOAD may still write"):
+        Simulator(DEFAULT, dram).run(prog)
+    dram, prog, _, _ = _gemm_program(rng)
+    prog[-3] = _with(prog[-3], push_next=False)  # the store does not wait for the epilogue
+    prog[-2] = _with(prog[-2], pop_prev=False)
+    with pytest.raises(HazardError, match="STORE reads accumulators"):
+        Simulator(DEFAULT, dram).run(prog)
+
+
+def test_finish_must_wait_for_store_and_tokens_balance():
+    rng = np.random.default_rng(0)
+    dram, prog, _, _ = _gemm_program(rng)
+    prog[-2] = _with(prog[-2], push_prev=False)
+    prog[-1] = _with(prog[-1], pop_next=False)
+    with pytest.raises(HazardError, match="FINISH may complete before STORE"):
+        Simulator(DEFAULT, dram).run(prog)
+    dram, prog, _, _ = _gemm_program(rng)
+    prog[0] = _with(prog[0], push_next=True)  # a second load->compute token nobody pops
+    with pytest.raises(DeadlockError, match="unconsumed dependency tokens \\(1 in load->compute\\)"):
+        Simulator(DEFAULT, dram).run(prog)
+    with pytest.raises(VTAProgramError, match="no push_next queue"):
+        Simulator(DEFAULT, dram).run([isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, push_next=True), isa.FinishInsn()])
+
+
+def test_out_of_range_access_is_an_error():
+    dram = DRAM(1024)
+    with pytest.raises(VTAProgramError, match="inp buffer holds 2048"):
+        Simulator(DEFAULT, dram).run([isa.MemInsn(memory_type=isa.MEM_INP, sram_base=2040, y_size=1, x_size=16, x_stride=16), isa.FinishInsn()])
