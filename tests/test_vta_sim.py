@@ -183,8 +183,8 @@ def test_finish_must_wait_for_store_and_tokens_balance():
     with pytest.raises(HazardError, match="FINISH may complete before STORE"):
         Simulator(DEFAULT, dram).run(prog)
     dram, prog, _, _ = _gemm_program(rng)
-    prog[0] = _with(prog[0], push_next=True)  # a second load->compute token nobody pops
-    with pytest.raises(DeadlockError, match="unconsumed dependency tokens \\(1 in load->compute\\)"):
+    prog[-1] = _with(prog[-1], push_prev=True)  # a compute->load token the load module never pops
+    with pytest.raises(DeadlockError, match="unconsumed dependency tokens \\(1 in compute->load\\)"):
         Simulator(DEFAULT, dram).run(prog)
     with pytest.raises(VTAProgramError, match="no push_next queue"):
         Simulator(DEFAULT, dram).run([isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, push_next=True), isa.FinishInsn()])
