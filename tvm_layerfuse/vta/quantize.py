@@ -213,10 +213,11 @@ def shift_round(acc: np.ndarray, shift: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- numpy int8 reference
-def reference(graph: VTAGraph, q: Quantization, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def reference(graph: VTAGraph, q: Quantization, feeds: Mapping[str, np.ndarray], *, trace: Optional[dict] = None) -> dict[str, np.ndarray]:
     """Run the quantized graph in numpy: VTA ops in integers, host ops in float.
 
-    Returns the graph outputs (float64: dequantized where a VTA op produced them)."""
+    Returns the graph outputs (float64: dequantized where a VTA op produced them);
+    ``trace`` (a dict) receives every int8 tensor VTA ops produce."""
     ints: dict[str, np.ndarray] = {}  # int8 NCHW
     floats: dict[str, np.ndarray] = {k: np.asarray(v, dtype=np.float64) for k, v in feeds.items()}
 
@@ -251,6 +252,8 @@ def reference(graph: VTAGraph, q: Quantization, feeds: Mapping[str, np.ndarray])
             ints[op.output] = y
         elif isinstance(op, ConcatOp):
             ints[op.output] = np.concatenate([as_int(n) for n in op.inputs], axis=1)
+    if trace is not None:
+        trace.update(ints)
     return {o: as_float(o) for o in graph.outputs}
 
 

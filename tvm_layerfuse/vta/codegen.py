@@ -1,0 +1,478 @@
+"""Compile-time instruction generation: each VTA op of the quantized graph -> one VTA program.
+
+Static shapes make every address known at compile time, so the generator lays out one
+DRAM image (packed weights, biases, micro-op kernels, activation buffers; see
+:mod:`tvm_layerfuse.vta.layout`) and emits instructions with absolute element addresses.
+
+A conv (:class:`ConvOp`) is tiled over output rows (``OHt`` rows) and output-channel blocks
+(``obc`` blocks) so that its input rows with halo, its weights, its accumulators (tile,
+residual, bias) and its micro-ops fit the on-chip buffers; the loop order (channel chunks
+outside or row tiles outside) is the one that moves fewer DRAM bytes. Each step::
+
+    load:    LOAD wgt (when the chunk changes)   LOAD inp per input block (y/x padding by the DMA)
+    compute: LOAD uop (once)  LOAD acc bias (when the chunk changes)
+             GEMM reset   GEMM  (uops (oy, ib, i, j); loops: out = output block, in = output column)
+             LOAD acc8 residual   ALU SHR (align)  ALU ADD residual
+             ALU ADD bias   ALU SHR (requantize)   ALU MAX/MIN (ReLU, Clip, int8 range)
+    store:   STORE per output segment (a horizontal merge's branches, concat offsets)
+
+Dependency tokens follow one protocol per step ``t``: the last load pushes load->compute and
+the first compute instruction pops it; the compute step pops store->compute (the previous
+step's store has read the accumulators) and, when step ``t+1`` loads, its last GEMM pushes
+compute->load; the last compute instruction pushes compute->store, popped by the first
+store, whose last instruction pushes store->compute; FINISH pops the last one. Every pushed
+token is popped (the simulator checks this and every cross-module hazard).
+
+Element-wise programs (the unfused residual add / activation) and concat copies run on
+the compute and store modules only: ``LOAD acc8`` -> ALU -> ``STORE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import isa
+from .config import DEFAULT, VTAConfig
+from .graph import ConcatOp, ConvOp, EltwiseOp, HostOp, VTAGraph
+from .layout import Layout, pack_weight
+from .quantize import Quantization, int_conv, int_eltwise
+from .sim import DRAM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Storage:
+    """Where a VTA-domain tensor lives: blocks ``[offset, offset + layout.blocks)`` of ``root``."""
+
+    root: str
+    offset: int
+    layout: Layout
+    height: int
+    width: int
+    base: int = -1  # element index (16-byte units) of the root buffer in DRAM
+
+    @property
+    def elem(self) -> int:
+        """DRAM element index of this tensor's first element."""
+        return self.base + self.offset * self.height * self.width
+
+
+@dataclass
+class Program:
+    """One VTA program (one fused layer) and what it was made from."""
+
+    op: str
+    insns: list
+    kind: str
+    tiling: dict = field(default_factory=dict)
+
+    def encoded(self, cfg: VTAConfig) -> np.ndarray:
+        return isa.encode_stream(self.insns, cfg)
+
+
+# ---------------------------------------------------------------------- storage
+def plan_storage(graph: VTAGraph, cfg: VTAConfig = DEFAULT) -> dict[str, Storage]:
+    """Layouts and views of every tensor a VTA op reads or writes (concats in place)."""
+    block = cfg.block
+    vta_tensors: set[str] = set()
+    for op in graph.ops:
+        if op.on_vta:
+            vta_tensors.update(op.reads)
+            vta_tensors.update(op.writes)
+    storage: dict[str, Storage] = {}
+
+    def dense(name: str) -> Storage:
+        _, c, h, w = graph.shapes[name]
+        return Storage(name, 0, Layout.dense(c, block), h, w)
+
+    for op in graph.ops:
+        if isinstance(op, ConcatOp) and op.on_vta:
+            parts = []
+            for name in op.inputs:
+                if name not in storage:
+                    storage[name] = dense(name)
+                parts.append(storage[name].layout)
+            _, _, h, w = graph.shapes[op.output]
+            storage[op.output] = Storage(op.output, 0, Layout.concat(parts, block), h, w)
+            views_ok = op.in_place and len(set(op.inputs)) == len(op.inputs) and all(
+                storage[n].root == n and n not in graph.inputs for n in op.inputs
+            )
+            if op.in_place and not views_ok:
+                op.in_place = False
+                op.reason = "inputs cannot be views of the concat block; copied"
+            if op.in_place:
+                offset = 0
+                for name in op.inputs:
+                    _rebase(storage, name, op.output, offset)
+                    offset += storage[name].layout.blocks
+        else:
+            for name in op.writes + op.reads:
+                if name in vta_tensors and name not in storage and len(graph.shapes.get(name, ())) == 4:
+                    storage[name] = dense(name)
+    return storage
+
+
+def _rebase(storage: dict[str, Storage], name: str, root: str, offset: int) -> None:
+    """Make ``name`` (and every view of it) a view of ``root`` at block ``offset``."""
+    for s in storage.values():
+        if s.root == name:
+            s.offset += offset
+            s.root = root
+
+
+# ---------------------------------------------------------------------- feasibility
+@dataclass
+class ConvTiling:
+    obc: int  # output blocks per chunk
+    oht: int  # output rows per tile
+    chunk_outer: bool
+    ib: int
+    ob: int
+    kh: int
+    kw: int
+    wt: int  # padded input width in SRAM
+    ht: int  # input rows per tile in SRAM (with halo)
+    res: bool
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig) -> tuple[Optional[ConvTiling], Optional[str]]:
+    """The cheapest tiling that fits the buffers, or the reason none does."""
+    inp = storage[op.input]
+    ib = inp.layout.blocks
+    ob = sum(storage[s.tensor].layout.blocks for s in op.outputs)
+    _, _, kh, kw = op.weight.shape
+    (sh, sw), (pt, pl, pb, pr) = op.strides, op.pads
+    if sh != sw:
+        return None, f"unequal strides {op.strides}"
+    s = sh
+    h, w = inp.height, inp.width
+    _, _, oh, ow = shapes[op.outputs[0].tensor]
+    wt = w + pl + pr
+    kk = kh * kw
+    res = op.residual is not None
+    best, best_cost = None, None
+    for obc in range(min(ob, cfg.wgt_depth // (ib * kk)), 0, -1):
+        lim_acc = (cfg.acc_depth - obc) // (obc * ow * (2 if res else 1))
+        lim_inp = ((cfg.inp_depth // (ib * wt)) - kh) // s + 1 if cfg.inp_depth // (ib * wt) >= kh else 0
+        lim_uop = (cfg.uop_depth - 4) // (ib * kk)
+        oht = min(oh, lim_acc, lim_inp, lim_uop, (1 << isa.LOOP_ITER_WIDTH) // max(ow, 1))
+        if oht < 1:
+            continue
+        tiles, chunks = -(-oh // oht), -(-ob // obc)
+        inp_bytes = ib * h * wt * cfg.inp_elem_bytes * (1 + (tiles - 1) * 0)  # once per pass
+        halo = ib * (kh - s) * wt * cfg.inp_elem_bytes * max(tiles - 1, 0)
+        wgt_bytes = ob * ib * kk * cfg.wgt_elem_bytes
+        cost_chunk_outer = wgt_bytes + (inp_bytes + halo) * (chunks if tiles > 1 else 1)
+        cost_row_outer = inp_bytes + halo + wgt_bytes * (tiles if chunks > 1 else 1)
+        for chunk_outer, cost in ((True, cost_chunk_outer), (False, cost_row_outer)):
+            key = (cost, tiles * chunks)
+            if best_cost is None or key < best_cost:
+                ht = (oht - 1) * s + kh
+                best, best_cost = ConvTiling(obc, oht, chunk_outer, ib, ob, kh, kw, wt, ht, res), key
+    if best is None:
+        return None, (
+            f"{ib} input blocks x {kh}x{kw} kernel at width {w} do not fit the on-chip buffers "
+            "(input-channel splitting is not implemented)"
+        )
+    return best, None
+
+
+def prepare(graph: VTAGraph, cfg: VTAConfig = DEFAULT) -> dict[str, Storage]:
+    """Decide what VTA runs (marks the rest host with a reason) and plan the storage."""
+    for name in graph.inputs:
+        if graph.shapes.get(name, (1,))[0] != 1:
+            from ..errors import ShapeError
+
+            raise ShapeError(
+                f"input {name!r} has batch {graph.shapes[name][0]}; VTA's configuration has batch {cfg.batch} - "
+                "compile with batch 1 (--input-shape) and run images one by one"
+            )
+    for op in graph.ops:
+        if op.on_vta and any(len(graph.shapes.get(t, ())) != 4 for t in op.reads + op.writes):
+            op.on_vta, op.reason = False, "not a 4-D activation"
+    storage = plan_storage(graph, cfg)
+    for op in graph.ops:
+        if isinstance(op, ConvOp) and op.on_vta:
+            _, reason = conv_tiling(op, storage, graph.shapes, cfg)
+            if reason is None and op.residual is not None:
+                out = storage[op.outputs[0].tensor].layout
+                if len(op.outputs) != 1 or not storage[op.residual].layout.same_as(out):
+                    reason = "the residual's channel layout differs from the output's"
+            if reason:
+                op.on_vta, op.reason = False, reason
+        elif isinstance(op, EltwiseOp) and op.on_vta:
+            lay = storage[op.output].layout
+            if not all(storage[n].layout.same_as(lay) for n in op.inputs):
+                op.on_vta, op.reason = False, "inputs and output have different channel layouts"
+    return plan_storage(graph, cfg)
+
+
+# ---------------------------------------------------------------------- program assembly
+class _Steps:
+    """Instructions grouped in steps; :meth:`finish` sets the dependency flags (module doc)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def new(self) -> dict:
+        step = {"load": [], "compute": [], "store": [], "release": None}
+        self.steps.append(step)
+        return step
+
+    def finish(self) -> list:
+        flags: dict[int, dict[str, bool]] = {}
+        flat: list = []
+        index: list[dict[str, list[int]]] = []
+        for step in self.steps:
+            pos = {}
+            for part in ("load", "compute", "store"):
+                pos[part] = list(range(len(flat), len(flat) + len(step[part])))
+                flat.extend(step[part])
+            pos["release"] = pos["compute"][step["release"]] if step["release"] is not None else pos["compute"][-1]
+            index.append(pos)
+
+        def set_flag(k: int, name: str) -> None:
+            flags.setdefault(k, {})[name] = True
+
+        n = len(self.steps)
+        for t, pos in enumerate(index):
+            if not pos["compute"] or not pos["store"]:
+                raise ValueError("every step needs compute and store instructions")
+            if pos["load"]:
+                if t > 0:
+                    set_flag(pos["load"][0], "pop_next")
+                set_flag(pos["load"][-1], "push_next")
+                set_flag(pos["compute"][0], "pop_prev")
+            if t > 0:
+                set_flag(pos["compute"][0], "pop_next")
+            if t + 1 < n and index[t + 1]["load"]:
+                set_flag(pos["release"], "push_prev")
+            set_flag(pos["compute"][-1], "push_next")
+            set_flag(pos["store"][0], "pop_prev")
+            set_flag(pos["store"][-1], "push_prev")
+        out = [dataclasses.replace(insn, **flags[k]) if k in flags else insn for k, insn in enumerate(flat)]
+        out.append(isa.FinishInsn(pop_next=True))
+        return out
+
+
+def _alu(opcode: int, uop: int, iter_out: int, iter_in: int, *, dst_out=0, dst_in=1, src_out=0, src_in=0, imm=None):
+    return isa.AluInsn(
+        uop_bgn=uop, uop_end=uop + 1, iter_out=iter_out, iter_in=iter_in, dst_factor_out=dst_out, dst_factor_in=dst_in,
+        src_factor_out=src_out, src_factor_in=src_in, alu_opcode=opcode, use_imm=imm is not None, imm=int(imm or 0),
+    )
+
+
+def _epilogue_tail(step: dict, uop: int, iter_out: int, iter_in: int, dst_out: int, shift: int, lo: int, hi: int) -> None:
+    if shift:
+        step["compute"].append(_alu(isa.ALU_SHR, uop, iter_out, iter_in, dst_out=dst_out, imm=shift))
+    step["compute"].append(_alu(isa.ALU_MAX, uop, iter_out, iter_in, dst_out=dst_out, imm=lo))
+    step["compute"].append(_alu(isa.ALU_MIN, uop, iter_out, iter_in, dst_out=dst_out, imm=hi))
+
+
+class Compiler:
+    """Lay out DRAM and generate a program for every VTA op of ``graph``."""
+
+    def __init__(self, graph: VTAGraph, q: Quantization, storage: dict[str, Storage], cfg: VTAConfig = DEFAULT) -> None:
+        self.graph, self.q, self.storage, self.cfg = graph, q, storage, cfg
+        self.dram = DRAM()
+        self.regions: dict[str, tuple[int, int]] = {}  # name -> (byte address, bytes)
+        self.programs: dict[str, Program] = {}
+
+    def _region(self, name: str, array: np.ndarray, elem_bytes: int) -> int:
+        addr = self.dram.alloc(array.nbytes, align=max(256, elem_bytes))
+        self.dram.write(addr, array)
+        self.regions[name] = (addr, int(array.nbytes))
+        return addr // elem_bytes
+
+    def compile(self) -> "Compiler":
+        eb = self.cfg.inp_elem_bytes
+        for name, s in self.storage.items():
+            if s.root == name:
+                nbytes = s.layout.blocks * s.height * s.width * eb
+                s.base = self._region(f"act:{name}", np.zeros(nbytes, np.uint8), eb)
+        for s in self.storage.values():
+            s.base = self.storage[s.root].base
+        for op in self.graph.ops:
+            if not op.on_vta:
+                continue
+            if isinstance(op, ConvOp):
+                self.programs[op.name] = self._conv(op)
+            elif isinstance(op, EltwiseOp):
+                self.programs[op.name] = self._eltwise(op)
+            elif isinstance(op, ConcatOp) and not op.in_place:
+                self.programs[op.name] = self._copy(op)
+        return self
+
+    # ------------------------------------------------------------------ conv
+    def _conv(self, op: ConvOp) -> Program:
+        cfg, block = self.cfg, self.cfg.block
+        t, _ = conv_tiling(op, self.storage, self.graph.shapes, cfg)
+        p = int_conv(op, self.q)
+        inp = self.storage[op.input]
+        # physical weights and bias: output rows per segment block-aligned, input columns per layout
+        seg_blocks = [self.storage[s.tensor].layout.blocks for s in op.outputs]
+        co_phys, ci_phys = sum(seg_blocks) * block, inp.layout.blocks * block
+        w_phys = np.zeros((co_phys, ci_phys, t.kh, t.kw), np.int8)  # [OB*16, IB*16, kh, kw]
+        b_phys = np.zeros(co_phys, np.int64)
+        cols = inp.layout.phys_index()
+        row0 = 0
+        for seg, nb in zip(op.outputs, seg_blocks):
+            rows = row0 + np.arange(seg.c1 - seg.c0)
+            w_phys[np.ix_(rows, cols)] = p.w_q[seg.c0 : seg.c1]
+            b_phys[rows] = p.b_q[seg.c0 : seg.c1]
+            row0 += nb * block
+        w_base = self._region(f"wgt:{op.name}", pack_weight(w_phys, block), cfg.wgt_elem_bytes)
+        b_base = self._region(f"bias:{op.name}", b_phys.astype("<i4").reshape(-1, block), cfg.acc_elem_bytes)
+        # output block -> (DRAM element of block row 0, is-last-of-segment)
+        out_elem = []
+        for seg, nb in zip(op.outputs, seg_blocks):
+            st = self.storage[seg.tensor]
+            out_elem += [(st.elem + k * st.height * st.width, seg.tensor) for k in range(nb)]
+        _, _, oh, ow = self.graph.shapes[op.outputs[0].tensor]
+        s = op.strides[0]
+        pt, pl, pb, pr = op.pads
+        kk = t.kh * t.kw
+        p_full = t.oht * ow
+        res_base = t.obc * p_full
+        bias_base = res_base + (t.obc * p_full if t.res else 0)
+        # micro-op kernels: 4 ALU uops, then the GEMM kernel over (oy, ib, i, j)
+        u_tile, u_bias, u_res, u_addres, u_gemm = 0, 1, 2, 3, 4
+        oy, ib, i, j = np.meshgrid(np.arange(t.oht), np.arange(t.ib), np.arange(t.kh), np.arange(t.kw), indexing="ij")
+        g_dst = (oy * ow).reshape(-1)
+        g_src = (ib * t.ht * t.wt + (oy * s + i) * t.wt + j).reshape(-1)
+        g_wgt = ((ib * t.kh + i) * t.kw + j).reshape(-1)
+        dst = np.concatenate([[0, 0, res_base, 0], g_dst])
+        src = np.concatenate([[0, bias_base, 0, res_base], g_src])
+        wgt = np.concatenate([[0, 0, 0, 0], g_wgt])
+        uops = isa.encode_uop_arrays(dst, src, wgt, cfg)
+        u_base = self._region(f"uop:{op.name}", uops, cfg.uop_elem_bytes)
+        res = self.storage[op.residual] if op.residual else None
+
+        tiles = [(r, min(t.oht, oh - r)) for r in range(0, oh, t.oht)]
+        chunks = [(c, min(t.obc, t.ob - c)) for c in range(0, t.ob, t.obc)]
+        order = [(c, r) for c in chunks for r in tiles] if t.chunk_outer else [(c, r) for r in tiles for c in chunks]
+        steps = _Steps()
+        prev_chunk = prev_rows = None
+        for n_step, ((ob0, obn), (oy0, ohn)) in enumerate(order):
+            st = steps.new()
+            pcur = ohn * ow
+            if (ob0, obn) != prev_chunk:
+                st["load"].append(isa.MemInsn(memory_type=isa.MEM_WGT, sram_base=0, dram_base=w_base + ob0 * t.ib * kk,
+                                              y_size=1, x_size=obn * t.ib * kk, x_stride=obn * t.ib * kk))
+            if (oy0, ohn) != prev_rows:
+                st["load"] += self._input_loads(inp, t, oy0, ohn, s, pt, pl, pr)
+            if n_step == 0:
+                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u_base, y_size=1,
+                                                 x_size=len(uops), x_stride=len(uops)))
+            if (ob0, obn) != prev_chunk:
+                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=bias_base, dram_base=b_base + ob0,
+                                                 y_size=1, x_size=obn, x_stride=obn))
+            st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=u_tile, uop_end=u_tile + 1, iter_out=obn,
+                                              iter_in=pcur, dst_factor_out=p_full, dst_factor_in=1))
+            st["compute"].append(isa.GemmInsn(uop_bgn=u_gemm, uop_end=u_gemm + ohn * t.ib * kk, iter_out=obn, iter_in=ow,
+                                              dst_factor_out=p_full, dst_factor_in=1, src_factor_out=0, src_factor_in=s,
+                                              wgt_factor_out=t.ib * kk, wgt_factor_in=0))
+            st["release"] = len(st["compute"]) - 1
+            if res is not None:
+                for k in range(obn):
+                    st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=res_base + k * p_full,
+                                                     dram_base=res.elem + (ob0 + k) * oh * ow + oy0 * ow, y_size=1,
+                                                     x_size=pcur, x_stride=pcur))
+                if p.res_shift:
+                    st["compute"].append(_alu(isa.ALU_SHR, u_res, obn, pcur, dst_out=p_full, imm=-p.res_shift))
+                st["compute"].append(_alu(isa.ALU_ADD, u_addres, obn, pcur, dst_out=p_full, src_out=p_full, src_in=1))
+            st["compute"].append(_alu(isa.ALU_ADD, u_bias, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
+            _epilogue_tail(st, u_tile, obn, pcur, p_full, p.shift, p.lo, p.hi)
+            for k in range(obn):
+                elem, _ = out_elem[ob0 + k]
+                st["store"].append(isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=k * p_full,
+                                               dram_base=elem + oy0 * ow, y_size=1, x_size=pcur, x_stride=pcur))
+            prev_chunk, prev_rows = (ob0, obn), (oy0, ohn)
+        return Program(op.name, steps.finish(), "conv", t.to_dict())
+
+    def _input_loads(self, inp: Storage, t: ConvTiling, oy0: int, ohn: int, s: int, pt: int, pl: int, pr: int) -> list:
+        h, w = inp.height, inp.width
+        h0 = oy0 * s - pt
+        hn = (ohn - 1) * s + t.kh
+        v0, v1 = max(h0, 0), min(h0 + hn, h)
+        y_pad_0, y_pad_1 = v0 - h0, h0 + hn - v1
+        if pl == 0 and pr == 0 and y_pad_0 == 0 and y_pad_1 == 0 and hn == h == t.ht:
+            # every input block contiguous in DRAM and in SRAM: one DMA
+            return [isa.MemInsn(memory_type=isa.MEM_INP, sram_base=0, dram_base=inp.elem, y_size=t.ib * h, x_size=w, x_stride=w)]
+        return [
+            isa.MemInsn(memory_type=isa.MEM_INP, sram_base=k * t.ht * t.wt, dram_base=inp.elem + (k * h + v0) * w,
+                        y_size=v1 - v0, x_size=w, x_stride=w, y_pad_0=y_pad_0, y_pad_1=y_pad_1, x_pad_0=pl, x_pad_1=pr)
+            for k in range(t.ib)
+        ]
+
+    # ------------------------------------------------------------------ element-wise and copies
+    def _eltwise(self, op: EltwiseOp) -> Program:
+        cfg = self.cfg
+        p = int_eltwise(op, self.q)
+        ins = [self.storage[n] for n in op.inputs]
+        out = self.storage[op.output]
+        total = out.layout.blocks * out.height * out.width
+        per = min(cfg.acc_depth // 2, (1 << isa.LOOP_ITER_WIDTH) - 1)  # two regions: A and B
+        region_b = per
+        # uops: 0 = region A, 1 = region B (imm ops), 2 = A += B
+        uops = isa.encode_uop_arrays(np.array([0, region_b, 0]), np.array([0, 0, region_b]), np.zeros(3, np.int64), cfg)
+        u_base = self._region(f"uop:{op.name}", uops, cfg.uop_elem_bytes)
+        steps = _Steps()
+        for n_step, e0 in enumerate(range(0, total, per)):
+            n = min(per, total - e0)
+            st = steps.new()
+            if n_step == 0:
+                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u_base, y_size=1, x_size=3, x_stride=3))
+            for k, (src, sh) in enumerate(zip(ins, p.in_shifts)):
+                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=k * region_b,
+                                                 dram_base=src.elem + e0, y_size=1, x_size=n, x_stride=n))
+                if sh:
+                    st["compute"].append(_alu(isa.ALU_SHR, k, 1, n, imm=-sh))
+            if len(ins) == 2:
+                st["compute"].append(_alu(isa.ALU_ADD, 2, 1, n, src_in=1))
+            if p.round_add:
+                st["compute"].append(_alu(isa.ALU_ADD, 0, 1, n, imm=p.round_add))
+            _epilogue_tail(st, 0, 1, n, 0, p.shift, p.lo, p.hi)
+            st["store"].append(isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=0, dram_base=out.elem + e0,
+                                           y_size=1, x_size=n, x_stride=n))
+        return Program(op.name, steps.finish(), "eltwise", {"elements": total, "per_step": per})
+
+    def _copy(self, op: ConcatOp) -> Program:
+        cfg = self.cfg
+        out = self.storage[op.output]
+        per = min(cfg.acc_depth, 65535)
+        steps = _Steps()
+        offset = 0
+        for name in op.inputs:
+            src = self.storage[name]
+            total = src.layout.blocks * src.height * src.width
+            dst0 = out.elem + offset * out.height * out.width
+            for e0 in range(0, total, per):
+                n = min(per, total - e0)
+                st = steps.new()
+                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=0, dram_base=src.elem + e0,
+                                                 y_size=1, x_size=n, x_stride=n))
+                st["store"].append(isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=0, dram_base=dst0 + e0,
+                                               y_size=1, x_size=n, x_stride=n))
+            offset += src.layout.blocks
+        return Program(op.name, steps.finish(), "copy", {})
+
+
+def compile_graph(graph: VTAGraph, q: Quantization, cfg: VTAConfig = DEFAULT):
+    """Generate the programs and the DRAM image of a prepared, quantized graph."""
+    from .executor import CompiledVTA
+
+    storage = prepare(graph, cfg)
+    comp = Compiler(graph, q, storage, cfg).compile()
+    streams = {name: p.encoded(cfg) for name, p in comp.programs.items()}
+    image = comp.dram.data[: comp.dram.top].copy()
+    return CompiledVTA(graph, q, storage, cfg, image, comp.regions, comp.programs, streams)
