@@ -161,9 +161,9 @@ def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig)
     res = op.residual is not None
     best, best_cost = None, None
     for obc in range(min(ob, cfg.wgt_depth // (ib * kk)), 0, -1):
-        lim_acc = (cfg.acc_depth - obc) // (obc * ow * (2 if res else 1))
+        lim_acc = (cfg.acc_depth - obc) // (obc * ow)
         lim_inp = ((cfg.inp_depth // (ib * wt)) - kh) // s + 1 if cfg.inp_depth // (ib * wt) >= kh else 0
-        lim_uop = (cfg.uop_depth - 4) // (ib * kk)
+        lim_uop = (cfg.uop_depth - 2) // (ib * kk)
         oht = min(oh, lim_acc, lim_inp, lim_uop, (1 << isa.LOOP_ITER_WIDTH) // max(ow, 1))
         if oht < 1:
             continue
@@ -271,6 +271,25 @@ def _alu(opcode: int, uop: int, iter_out: int, iter_in: int, *, dst_out=0, dst_i
     )
 
 
+def _blocks_dma(opcode: int, mem: int, dram: list[int], sram0: int, sram_stride: int, n: int, dram_stride: int) -> list:
+    """DMA of ``n`` elements for each block (SRAM ``sram0 + k*sram_stride``, DRAM ``dram[k]``):
+    one 2D transfer per run of blocks ``dram_stride`` apart when the SRAM rows are dense."""
+    out, k = [], 0
+    while k < len(dram):
+        run = 1
+        if sram_stride == n:
+            while k + run < len(dram) and dram[k + run] == dram[k] + run * dram_stride:
+                run += 1
+        if run > 1:
+            out.append(isa.MemInsn(opcode=opcode, memory_type=mem, sram_base=sram0 + k * sram_stride, dram_base=dram[k],
+                                   y_size=run, x_size=n, x_stride=dram_stride))
+        else:
+            out.append(isa.MemInsn(opcode=opcode, memory_type=mem, sram_base=sram0 + k * sram_stride, dram_base=dram[k],
+                                   y_size=1, x_size=n, x_stride=n))
+        k += run
+    return out
+
+
 def _epilogue_tail(step: dict, uop: int, iter_out: int, iter_in: int, dst_out: int, shift: int, lo: int, hi: int) -> None:
     if shift:
         step["compute"].append(_alu(isa.ALU_SHR, uop, iter_out, iter_in, dst_out=dst_out, imm=shift))
@@ -342,17 +361,16 @@ class Compiler:
         pt, pl, pb, pr = op.pads
         kk = t.kh * t.kw
         p_full = t.oht * ow
-        res_base = t.obc * p_full
-        bias_base = res_base + (t.obc * p_full if t.res else 0)
-        # micro-op kernels: 4 ALU uops, then the GEMM kernel over (oy, ib, i, j)
-        u_tile, u_bias, u_res, u_addres, u_gemm = 0, 1, 2, 3, 4
+        bias_base = t.obc * p_full
+        # micro-op kernels: 2 ALU uops (tile, tile += bias), then the GEMM kernel over (oy, ib, i, j)
+        u_tile, u_bias, u_gemm = 0, 1, 2
         oy, ib, i, j = np.meshgrid(np.arange(t.oht), np.arange(t.ib), np.arange(t.kh), np.arange(t.kw), indexing="ij")
         g_dst = (oy * ow).reshape(-1)
         g_src = (ib * t.ht * t.wt + (oy * s + i) * t.wt + j).reshape(-1)
         g_wgt = ((ib * t.kh + i) * t.kw + j).reshape(-1)
-        dst = np.concatenate([[0, 0, res_base, 0], g_dst])
-        src = np.concatenate([[0, bias_base, 0, res_base], g_src])
-        wgt = np.concatenate([[0, 0, 0, 0], g_wgt])
+        dst = np.concatenate([[0, 0], g_dst])
+        src = np.concatenate([[0, bias_base], g_src])
+        wgt = np.concatenate([[0, 0], g_wgt])
         uops = isa.encode_uop_arrays(dst, src, wgt, cfg)
         u_base = self._region(f"uop:{op.name}", uops, cfg.uop_elem_bytes)
         res = self.storage[op.residual] if op.residual else None
@@ -376,26 +394,22 @@ class Compiler:
             if (ob0, obn) != prev_chunk:
                 st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=bias_base, dram_base=b_base + ob0,
                                                  y_size=1, x_size=obn, x_stride=obn))
-            st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=u_tile, uop_end=u_tile + 1, iter_out=obn,
-                                              iter_in=pcur, dst_factor_out=p_full, dst_factor_in=1))
+            if res is None:
+                st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=u_tile, uop_end=u_tile + 1, iter_out=obn,
+                                                  iter_in=pcur, dst_factor_out=p_full, dst_factor_in=1))
+            else:  # the accumulators start from the residual (aligned to F) instead of zero
+                st["compute"] += _blocks_dma(isa.OP_LOAD, isa.MEM_ACC_8BIT, [res.elem + (ob0 + k) * oh * ow + oy0 * ow for k in range(obn)],
+                                             0, p_full, pcur, oh * ow)
+                if p.res_shift:
+                    st["compute"].append(_alu(isa.ALU_SHR, u_tile, obn, pcur, dst_out=p_full, imm=-p.res_shift))
             st["compute"].append(isa.GemmInsn(uop_bgn=u_gemm, uop_end=u_gemm + ohn * t.ib * kk, iter_out=obn, iter_in=ow,
                                               dst_factor_out=p_full, dst_factor_in=1, src_factor_out=0, src_factor_in=s,
                                               wgt_factor_out=t.ib * kk, wgt_factor_in=0))
             st["release"] = len(st["compute"]) - 1
-            if res is not None:
-                for k in range(obn):
-                    st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=res_base + k * p_full,
-                                                     dram_base=res.elem + (ob0 + k) * oh * ow + oy0 * ow, y_size=1,
-                                                     x_size=pcur, x_stride=pcur))
-                if p.res_shift:
-                    st["compute"].append(_alu(isa.ALU_SHR, u_res, obn, pcur, dst_out=p_full, imm=-p.res_shift))
-                st["compute"].append(_alu(isa.ALU_ADD, u_addres, obn, pcur, dst_out=p_full, src_out=p_full, src_in=1))
             st["compute"].append(_alu(isa.ALU_ADD, u_bias, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
             _epilogue_tail(st, u_tile, obn, pcur, p_full, p.shift, p.lo, p.hi)
-            for k in range(obn):
-                elem, _ = out_elem[ob0 + k]
-                st["store"].append(isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=k * p_full,
-                                               dram_base=elem + oy0 * ow, y_size=1, x_size=pcur, x_stride=pcur))
+            st["store"] += _blocks_dma(isa.OP_STORE, isa.MEM_OUT, [out_elem[ob0 + k][0] + oy0 * ow for k in range(obn)],
+                                       0, p_full, pcur, oh * ow)
             prev_chunk, prev_rows = (ob0, obn), (oy0, ohn)
         return Program(op.name, steps.finish(), "conv", t.to_dict())
 
@@ -405,9 +419,10 @@ class Compiler:
         hn = (ohn - 1) * s + t.kh
         v0, v1 = max(h0, 0), min(h0 + hn, h)
         y_pad_0, y_pad_1 = v0 - h0, h0 + hn - v1
-        if pl == 0 and pr == 0 and y_pad_0 == 0 and y_pad_1 == 0 and hn == h == t.ht:
-            # every input block contiguous in DRAM and in SRAM: one DMA
-            return [isa.MemInsn(memory_type=isa.MEM_INP, sram_base=0, dram_base=inp.elem, y_size=t.ib * h, x_size=w, x_stride=w)]
+        if y_pad_0 == 0 and y_pad_1 == 0 and hn == h == t.ht:
+            # whole input blocks, back to back in DRAM and (with x padding) in SRAM: one DMA
+            return [isa.MemInsn(memory_type=isa.MEM_INP, sram_base=0, dram_base=inp.elem, y_size=t.ib * h, x_size=w, x_stride=w,
+                                x_pad_0=pl, x_pad_1=pr)]
         return [
             isa.MemInsn(memory_type=isa.MEM_INP, sram_base=k * t.ht * t.wt, dram_base=inp.elem + (k * h + v0) * w,
                         y_size=v1 - v0, x_size=w, x_stride=w, y_pad_0=y_pad_0, y_pad_1=y_pad_1, x_pad_0=pl, x_pad_1=pr)
