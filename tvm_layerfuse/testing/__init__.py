@@ -22,6 +22,7 @@ from .zoo import (
     light_models,
     light_reference,
     mobilenet_v2,
+    resnet18,
     resnet50,
     squeezenet1_1,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "random_cnn",
     "random_cnn_case",
     "random_inputs",
+    "resnet18",
     "resnet50",
     "run_onnxruntime",
     "squeezenet1_1",
