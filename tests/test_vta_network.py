@@ -1,0 +1,89 @@
+"""Whole networks on VTA: simulator bit-exact with the numpy int8 reference, fusion gain, accuracy."""
+
+import numpy as np
+import pytest
+
+from tvm_layerfuse.testing import zoo
+from tvm_layerfuse.vta import pipeline
+from tvm_layerfuse.vta.config import config_from_dict
+from tvm_layerfuse.vta.graph import ConcatOp, ConvOp
+from tvm_layerfuse.vta.quantize import random_samples, reference
+
+
+def _check_bit_exact(b, feeds):
+    for fused in (True, False):
+        compiled = b.fused if fused else b.unfused
+        trace = {}
+        ref = reference(compiled.graph, b.quantization, feeds, trace=trace)
+        from tvm_layerfuse.vta.executor import execute
+
+        run = execute(compiled, feeds, trace=True)
+        for name, value in trace.items():  # every int8 tensor a VTA op produced
+            np.testing.assert_array_equal(run.ints[name], value, err_msg=name)
+        for name in compiled.graph.outputs:
+            np.testing.assert_array_equal(run.outputs[name], ref[name])
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    model = zoo.resnet18(width=0.25, image=32, seed=1)
+    return model, pipeline.build(model, baseline=True, n_calibration=3, seed=2)
+
+
+@pytest.fixture(scope="module")
+def inception():
+    model = zoo.googlenet(blocks=2, width=0.25, image=32, seed=1)
+    return model, pipeline.build(model, baseline=True, n_calibration=3, seed=2)
+
+
+def test_resnet18_style_bit_exact_and_placement(resnet):
+    model, b = resnet
+    ops = b.graph.ops
+    residual = [op for op in ops if isinstance(op, ConvOp) and op.on_vta and op.residual]
+    assert len(residual) == 8  # every BasicBlock's add + ReLU runs in a conv epilogue on VTA
+    stem = next(op for op in ops if isinstance(op, ConvOp))
+    assert not stem.on_vta and "input channels" in stem.reason
+    feeds = random_samples(b.graph, 2, seed=11)
+    _check_bit_exact(b, feeds[0])
+    out0, out1 = (b.run(f).outputs["output"] for f in feeds)
+    assert not np.allclose(out0, out1)  # live weights: two inputs, two answers
+
+
+def test_inception_style_bit_exact_with_in_place_concat(inception):
+    model, b = inception
+    concats = [op for op in b.graph.ops if isinstance(op, ConcatOp)]
+    assert concats and all(op.on_vta and op.in_place for op in concats)
+    assert all(name not in b.fused.programs for name in (op.name for op in concats))  # no copy program
+    merged = [op for op in b.graph.ops if isinstance(op, ConvOp) and len(op.outputs) == 3]
+    assert len(merged) == 2 and all(op.on_vta for op in merged)
+    _check_bit_exact(b, random_samples(b.graph, 1, seed=12)[0])
+
+
+@pytest.mark.parametrize("name", ["resnet", "inception"])
+def test_fusion_moves_fewer_bytes_and_instructions(name, request):
+    model, b = request.getfixturevalue(name)
+    g = pipeline.gain(b, random_samples(b.graph, 1, seed=3)[0])
+    fused, unfused = g["fused"], g["unfused"]
+    assert fused["gemm_counter"] == unfused["gemm_counter"]  # the same arithmetic
+    assert fused["dram_nbytes"] < unfused["dram_nbytes"]
+    assert fused["out_store_nbytes"] < unfused["out_store_nbytes"]
+    assert fused["insn_count"] < unfused["insn_count"]
+    assert fused["wgt_load_nbytes"] == unfused["wgt_load_nbytes"]
+
+
+def test_int8_close_to_fp32(resnet, inception):
+    for model, b in (resnet, inception):
+        acc = pipeline.accuracy(b, model, random_samples(b.graph, 3, seed=21))
+        assert acc["max_rel_error"] < 0.5, acc
+        assert acc["top1_agreement"] >= 2 / 3, acc
+
+
+def test_small_buffers_force_tiling_and_stay_exact():
+    # 256 input vectors, 64 weight blocks, 128 accumulators: every layer splits into row
+    # tiles and output-channel chunks
+    cfg = config_from_dict({"LOG_INP_BUFF_SIZE": 12, "LOG_WGT_BUFF_SIZE": 14, "LOG_ACC_BUFF_SIZE": 13, "LOG_UOP_BUFF_SIZE": 12})
+    model = zoo.resnet18(width=0.5, image=32, layers=(1, 1, 1, 1), seed=4)
+    b = pipeline.build(model, cfg=cfg, baseline=True, n_calibration=2, seed=5)
+    tilings = [p.tiling for p in b.fused.programs.values() if p.kind == "conv"]
+    assert any(t["ob"] > t["obc"] for t in tilings) and any(t["oht"] < 16 for t in tilings)
+    _check_bit_exact(b, random_samples(b.graph, 1, seed=6)[0])
