@@ -10,10 +10,11 @@ residual, bias) and its micro-ops fit the on-chip buffers; the loop order (chann
 outside or row tiles outside) is the one that moves fewer DRAM bytes. Each step::
 
     load:    LOAD wgt (when the chunk changes)   LOAD inp per input block (y/x padding by the DMA)
-    compute: LOAD uop (once)  LOAD acc bias (when the chunk changes)
-             GEMM reset   GEMM  (uops (oy, ib, i, j); loops: out = output block, in = output column)
-             LOAD acc8 residual   ALU SHR (align)  ALU ADD residual
-             ALU ADD bias   ALU SHR (requantize)   ALU MAX/MIN (ReLU, Clip, int8 range)
+    compute: LOAD uop (once)
+             LOAD acc [bias | shift | residual shift] vectors (when the chunk changes)
+             GEMM reset, or LOAD acc8 residual + ALU SHR (align, per channel)
+             GEMM  (uops (oy, ib, i, j); loops: out = output block, in = output column)
+             ALU ADD bias   ALU SHR (requantize, per channel)   ALU MAX/MIN (ReLU, Clip, int8 range)
     store:   STORE per output segment (a horizontal merge's branches, concat offsets)
 
 Dependency tokens follow one protocol per step ``t``: the last load pushes load->compute and
@@ -161,9 +162,9 @@ def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig)
     res = op.residual is not None
     best, best_cost = None, None
     for obc in range(min(ob, cfg.wgt_depth // (ib * kk)), 0, -1):
-        lim_acc = (cfg.acc_depth - obc) // (obc * ow)
+        lim_acc = (cfg.acc_depth - 3 * obc) // (obc * ow)  # tile + bias, shift, residual-shift vectors
         lim_inp = ((cfg.inp_depth // (ib * wt)) - kh) // s + 1 if cfg.inp_depth // (ib * wt) >= kh else 0
-        lim_uop = (cfg.uop_depth - 2) // (ib * kk)
+        lim_uop = (cfg.uop_depth - 4) // (ib * kk)
         oht = min(oh, lim_acc, lim_inp, lim_uop, (1 << isa.LOOP_ITER_WIDTH) // max(ow, 1))
         if oht < 1:
             continue
@@ -342,15 +343,23 @@ class Compiler:
         co_phys, ci_phys = sum(seg_blocks) * block, inp.layout.blocks * block
         w_phys = np.zeros((co_phys, ci_phys, t.kh, t.kw), np.int8)  # [OB*16, IB*16, kh, kw]
         b_phys = np.zeros(co_phys, np.int64)
+        shift_phys = np.zeros(co_phys, np.int64)
+        rshift_phys = np.zeros(co_phys, np.int64)
         cols = inp.layout.phys_index()
         row0 = 0
         for seg, nb in zip(op.outputs, seg_blocks):
             rows = row0 + np.arange(seg.c1 - seg.c0)
             w_phys[np.ix_(rows, cols)] = p.w_q[seg.c0 : seg.c1]
             b_phys[rows] = p.b_q[seg.c0 : seg.c1]
+            shift_phys[rows] = p.shift[seg.c0 : seg.c1]
+            rshift_phys[rows] = -p.res_shift[seg.c0 : seg.c1]
             row0 += nb * block
         w_base = self._region(f"wgt:{op.name}", pack_weight(w_phys, block), cfg.wgt_elem_bytes)
-        b_base = self._region(f"bias:{op.name}", b_phys.astype("<i4").reshape(-1, block), cfg.acc_elem_bytes)
+        # per-channel vectors [bias | shift | -residual shift], each padded to whole chunks: [3, OB', block]
+        ob_pad = -(-t.ob // t.obc) * t.obc
+        vec = np.zeros((3, ob_pad * block), np.int64)
+        vec[0, :co_phys], vec[1, :co_phys], vec[2, :co_phys] = b_phys, shift_phys, rshift_phys
+        b_base = self._region(f"vec:{op.name}", vec.astype("<i4").reshape(3, ob_pad, block), cfg.acc_elem_bytes)
         # output block -> (DRAM element of block row 0, is-last-of-segment)
         out_elem = []
         for seg, nb in zip(op.outputs, seg_blocks):
@@ -362,15 +371,17 @@ class Compiler:
         kk = t.kh * t.kw
         p_full = t.oht * ow
         bias_base = t.obc * p_full
-        # micro-op kernels: 2 ALU uops (tile, tile += bias), then the GEMM kernel over (oy, ib, i, j)
-        u_tile, u_bias, u_gemm = 0, 1, 2
+        shift_base, rshift_base = bias_base + t.obc, bias_base + 2 * t.obc
+        # micro-op kernels: 4 ALU uops (tile; tile with bias, shift, residual-shift vector), then
+        # the GEMM kernel over (oy, ib, i, j)
+        u_tile, u_bias, u_shift, u_rshift, u_gemm = 0, 1, 2, 3, 4
         oy, ib, i, j = np.meshgrid(np.arange(t.oht), np.arange(t.ib), np.arange(t.kh), np.arange(t.kw), indexing="ij")
         g_dst = (oy * ow).reshape(-1)
         g_src = (ib * t.ht * t.wt + (oy * s + i) * t.wt + j).reshape(-1)
         g_wgt = ((ib * t.kh + i) * t.kw + j).reshape(-1)
-        dst = np.concatenate([[0, 0], g_dst])
-        src = np.concatenate([[0, bias_base], g_src])
-        wgt = np.concatenate([[0, 0], g_wgt])
+        dst = np.concatenate([[0, 0, 0, 0], g_dst])
+        src = np.concatenate([[0, bias_base, shift_base, rshift_base], g_src])
+        wgt = np.concatenate([[0, 0, 0, 0], g_wgt])
         uops = isa.encode_uop_arrays(dst, src, wgt, cfg)
         u_base = self._region(f"uop:{op.name}", uops, cfg.uop_elem_bytes)
         res = self.storage[op.residual] if op.residual else None
@@ -393,21 +404,23 @@ class Compiler:
                                                  x_size=len(uops), x_stride=len(uops)))
             if (ob0, obn) != prev_chunk:
                 st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=bias_base, dram_base=b_base + ob0,
-                                                 y_size=1, x_size=obn, x_stride=obn))
+                                                 y_size=3, x_size=t.obc, x_stride=ob_pad))
             if res is None:
                 st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=u_tile, uop_end=u_tile + 1, iter_out=obn,
                                                   iter_in=pcur, dst_factor_out=p_full, dst_factor_in=1))
             else:  # the accumulators start from the residual (aligned to F) instead of zero
                 st["compute"] += _blocks_dma(isa.OP_LOAD, isa.MEM_ACC_8BIT, [res.elem + (ob0 + k) * oh * ow + oy0 * ow for k in range(obn)],
                                              0, p_full, pcur, oh * ow)
-                if p.res_shift:
-                    st["compute"].append(_alu(isa.ALU_SHR, u_tile, obn, pcur, dst_out=p_full, imm=-p.res_shift))
+                if np.any(p.res_shift):
+                    st["compute"].append(_alu(isa.ALU_SHR, u_rshift, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
             st["compute"].append(isa.GemmInsn(uop_bgn=u_gemm, uop_end=u_gemm + ohn * t.ib * kk, iter_out=obn, iter_in=ow,
                                               dst_factor_out=p_full, dst_factor_in=1, src_factor_out=0, src_factor_in=s,
                                               wgt_factor_out=t.ib * kk, wgt_factor_in=0))
             st["release"] = len(st["compute"]) - 1
             st["compute"].append(_alu(isa.ALU_ADD, u_bias, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
-            _epilogue_tail(st, u_tile, obn, pcur, p_full, p.shift, p.lo, p.hi)
+            if np.any(p.shift):
+                st["compute"].append(_alu(isa.ALU_SHR, u_shift, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
+            _epilogue_tail(st, u_tile, obn, pcur, p_full, 0, p.lo, p.hi)
             st["store"] += _blocks_dma(isa.OP_STORE, isa.MEM_OUT, [out_elem[ob0 + k][0] + oy0 * ow for k in range(obn)],
                                        0, p_full, pcur, oh * ow)
             prev_chunk, prev_rows = (ob0, obn), (oy0, ohn)

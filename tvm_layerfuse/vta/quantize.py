@@ -7,8 +7,9 @@ minimum ``f``): the inputs and output of a concat (producers store into one bloc
 the outputs of a horizontal merge (one requantization for the merged accumulator), and
 the input and output of a MaxPool (max commutes with the scale, so the host pool is exact).
 
-A conv's weights get one per-tensor ``f_w``; the accumulator then has
-``F = f_x + f_w`` fractional bits and the epilogue is integer arithmetic (VTA's ALU)::
+A conv's weights get one ``f_w[c]`` per output channel; channel ``c`` of the accumulator
+then has ``F[c] = f_x + f_w[c]`` fractional bits and the epilogue is integer arithmetic
+(VTA's ALU; per-channel shift amounts are accumulator vectors, SHR in register mode)::
 
     acc  = sum x_q * w_q + b_q                   b_q = round(b * 2**F) + r,  r = 2**(s-1) (s > 0)
     acc += res_q << (F - f_res)                  residual, aligned to F (a left shift: exact)
@@ -81,7 +82,7 @@ class Quantization:
     """Fractional bits of every activation tensor and of every VTA conv's weights."""
 
     frac: dict[str, int]
-    weight_frac: dict[str, int]
+    weight_frac: dict[str, list[int]]  # per output channel
     max_abs: dict[str, float] = field(default_factory=dict)
     calibration_inputs: int = 0
 
@@ -154,7 +155,7 @@ def calibrate(graph: VTAGraph, samples: Sequence[Mapping[str, np.ndarray]], *, s
     weight_frac = {}
     for op in graph.ops + (share_from.ops if share_from is not None else []):
         if isinstance(op, ConvOp):
-            weight_frac[op.name] = frac_bits(float(np.max(np.abs(op.weight))))
+            weight_frac[op.name] = [int(f) for f in weight_fracs(op.weight)]
     return Quantization(frac, weight_frac, max_abs, len(samples))
 
 
@@ -170,25 +171,41 @@ def dequantize(q: np.ndarray, f: int) -> np.ndarray:
 # ---------------------------------------------------------------------- integer parameters
 @dataclass
 class IntConv:
-    """A conv's integer parameters (logical channel order)."""
+    """A conv's integer parameters (logical channel order; per output channel ``c``)."""
 
-    w_q: np.ndarray  # [C_out, C_in, kh, kw] int8
-    b_q: np.ndarray  # [C_out] int64, rounding constant included
-    shift: int  # s = F - f_out (negative: left shift)
-    res_shift: int  # F - f_res (left shift of the residual)
+    w_q: np.ndarray  # [C_out, C_in, kh, kw] int8, scale 2**-f_w[c]
+    b_q: np.ndarray  # [C_out] int64, scale 2**-F[c], rounding constant included
+    shift: np.ndarray  # [C_out] s[c] = F[c] - f_out (negative: left shift)
+    res_shift: np.ndarray  # [C_out] F[c] - f_res (left shift of the residual)
     lo: int  # final clamp, activations included
     hi: int
 
 
+WEIGHT_FRAC_SPAN = 8
+"""How many more fractional bits than the tensor-wide one a channel's weights may get."""
+
+
+def weight_fracs(w: np.ndarray) -> np.ndarray:
+    """Per-output-channel power-of-two weight scales (bounded by ``WEIGHT_FRAC_SPAN``)."""
+    whole = frac_bits(float(np.max(np.abs(w))))
+    per = np.array([frac_bits(float(np.max(np.abs(wc)))) if np.any(wc) else whole for wc in w], dtype=np.int64)
+    return np.minimum(per, whole + WEIGHT_FRAC_SPAN)
+
+
 def int_conv(op: ConvOp, q: Quantization) -> IntConv:
     f_x = q.frac[op.input]
-    f_w = q.weight_frac[op.name]
     f_out = q.frac[op.outputs[0].tensor]
-    big_f = f_x + f_w
+    f_w = np.asarray(q.weight_frac[op.name], dtype=np.int64)  # [C_out]
+    # keep every shift a valid 5-bit ALU operand
+    f_w = np.minimum(f_w, f_out - f_x + 30)
+    if op.residual:
+        f_w = np.minimum(f_w, q.frac[op.residual] - f_x + 30)
+    big_f = f_x + f_w  # [C_out]
     shift = big_f - f_out
-    w_q = quantize(op.weight, f_w)
-    b_q = np.floor(op.bias * 2.0**big_f + 0.5).astype(np.int64) + ((1 << (shift - 1)) if shift > 0 else 0)
-    res_shift = big_f - q.frac[op.residual] if op.residual else 0
+    w_q = np.clip(np.floor(op.weight * (2.0 ** f_w.astype(np.float64)).reshape(-1, 1, 1, 1) + 0.5), -128, 127).astype(np.int8)
+    r = np.where(shift > 0, np.left_shift(1, np.maximum(shift - 1, 0)), 0)
+    b_q = np.floor(op.bias * 2.0 ** big_f.astype(np.float64) + 0.5).astype(np.int64) + r
+    res_shift = big_f - q.frac[op.residual] if op.residual else np.zeros_like(big_f)
     lo, hi = act_bounds(op.acts, f_out)
     return IntConv(w_q, np.clip(b_q, -(2**31), 2**31 - 1), shift, res_shift, lo, hi)
 
@@ -207,9 +224,11 @@ def act_bounds(acts: Sequence[Act], f_out: int) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
-def shift_round(acc: np.ndarray, shift: int) -> np.ndarray:
-    """VTA's SHR: arithmetic right shift, left for negative amounts (int64 in, int64 out)."""
-    return acc >> shift if shift >= 0 else acc << (-shift)
+def shift_round(acc: np.ndarray, shift) -> np.ndarray:
+    """VTA's SHR: arithmetic right shift, left for negative amounts (int64; ``shift`` a
+    scalar or an array broadcast against ``acc``)."""
+    shift = np.asarray(shift, dtype=np.int64)
+    return np.where(shift >= 0, acc >> np.maximum(shift, 0), acc << np.maximum(-shift, 0))
 
 
 # ---------------------------------------------------------------------- numpy int8 reference
@@ -243,8 +262,8 @@ def reference(graph: VTAGraph, q: Quantization, feeds: Mapping[str, np.ndarray],
             acc = host.conv2d(x, p.w_q.astype(np.int64), None, strides=op.strides, pads=op.pads)  # int64 exact
             acc = acc.astype(np.int64) + p.b_q.reshape(1, -1, 1, 1)
             if op.residual:
-                acc = acc + shift_round(as_int(op.residual).astype(np.int64), -p.res_shift)
-            y = np.clip(shift_round(acc, p.shift), p.lo, p.hi).astype(np.int8)
+                acc = acc + shift_round(as_int(op.residual).astype(np.int64), -p.res_shift.reshape(1, -1, 1, 1))
+            y = np.clip(shift_round(acc, p.shift.reshape(1, -1, 1, 1)), p.lo, p.hi).astype(np.int8)
             for s in op.outputs:
                 ints[s.tensor] = y[:, s.c0 : s.c1]
         elif isinstance(op, EltwiseOp):
