@@ -10,7 +10,6 @@ from tvm_layerfuse.errors import UsageError
 from tvm_layerfuse.vta import isa
 from tvm_layerfuse.vta.config import DEFAULT, VTAConfig, config_from_dict, load_config
 
-
 SMALL_BUFFERS = {"LOG_INP_BUFF_SIZE": 14, "LOG_ACC_BUFF_SIZE": 16}
 
 

@@ -5,7 +5,13 @@ import pytest
 
 from tvm_layerfuse.vta import isa
 from tvm_layerfuse.vta.config import DEFAULT
-from tvm_layerfuse.vta.sim import DRAM, DeadlockError, HazardError, Simulator, VTAProgramError
+from tvm_layerfuse.vta.sim import (
+    DRAM,
+    DeadlockError,
+    HazardError,
+    Simulator,
+    VTAProgramError,
+)
 
 B = DEFAULT.block
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from . import isa
 from .config import DEFAULT, VTAConfig
-from .graph import ConcatOp, ConvOp, EltwiseOp, HostOp, VTAGraph
+from .graph import ConcatOp, ConvOp, EltwiseOp, VTAGraph
 from .layout import Layout, pack_weight
 from .quantize import Quantization, int_conv, int_eltwise
 from .sim import DRAM
@@ -151,7 +151,7 @@ def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig)
     ib = inp.layout.blocks
     ob = sum(storage[s.tensor].layout.blocks for s in op.outputs)
     _, _, kh, kw = op.weight.shape
-    (sh, sw), (pt, pl, pb, pr) = op.strides, op.pads
+    (sh, sw), (_, pl, _, pr) = op.strides, op.pads
     if sh != sw:
         return None, f"unequal strides {op.strides}"
     s = sh
@@ -501,6 +501,8 @@ def compile_graph(graph: VTAGraph, q: Quantization, cfg: VTAConfig = DEFAULT):
 
     storage = prepare(graph, cfg)
     comp = Compiler(graph, q, storage, cfg).compile()
+    for name, st in storage.items():
+        st.base = storage[st.root].base
     streams = {name: p.encoded(cfg) for name, p in comp.programs.items()}
     image = comp.dram.data[: comp.dram.top].copy()
     return CompiledVTA(graph, q, storage, cfg, image, comp.regions, comp.programs, streams)

@@ -9,12 +9,14 @@ simulator path and the numpy int8 reference share their host part exactly.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..errors import BuildError
-from ..topology.graph import Layer, TopologyGraph
+
+if TYPE_CHECKING:  # the runtime side never imports the topology package (it reads ONNX)
+    from ..topology.graph import Layer, TopologyGraph
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, *, strides: Sequence[int], pads: Sequence[int],
@@ -144,7 +146,7 @@ HOST_OPS: dict[str, Callable[[list, dict[str, Any]], Any]] = {
 }
 
 
-def run_layer(graph: TopologyGraph, layer: Layer, values: dict[str, np.ndarray]) -> list[np.ndarray]:
+def run_layer(graph: "TopologyGraph", layer: "Layer", values: dict[str, np.ndarray]) -> list[np.ndarray]:
     """One first-graph layer in float64 numpy; ``values`` holds its data inputs."""
     fn = HOST_OPS.get(layer.op_type)
     if fn is None or layer.domain:
@@ -161,8 +163,64 @@ def run_layer(graph: TopologyGraph, layer: Layer, values: dict[str, np.ndarray])
                        else np.asarray(graph.tensor(name).value()))
         else:
             ins.append(values[name])
-    attrs = {k: v for k, v in layer.attrs.items() if not k.startswith("_")}
-    if layer.op_type == "Split":
-        raise BuildError(f"layer {layer.name!r} (Split) has no host implementation in the VTA flow - use the cpu target")
-    out = fn(ins, attrs)
-    return [np.asarray(out, dtype=np.float64)]
+    return [run_op(layer.op_type, layer_attrs(layer), ins)]
+
+
+def layer_attrs(layer: "Layer") -> dict[str, Any]:
+    """A layer's attributes as JSON-able values (what a host step stores)."""
+    out = {}
+    for k, v in layer.attrs.items():
+        if k.startswith("_"):
+            continue
+        out[k] = v.tolist() if isinstance(v, np.ndarray) else v
+    return out
+
+
+def run_op(op_type: str, attrs: Mapping[str, Any], ins: list) -> np.ndarray:
+    """One host operator on float64 arrays (``ins`` in the op's input order, None if omitted)."""
+    return np.asarray(HOST_OPS[op_type](ins, dict(attrs)), dtype=np.float64)
+
+
+def apply_acts(y: np.ndarray, acts: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """ReLU / Clip entries ``{"kind", "lo", "hi"}`` in order."""
+    for a in acts:
+        if a["kind"] == "relu":
+            y = np.maximum(y, 0)
+        else:
+            lo, hi = a.get("lo"), a.get("hi")
+            y = np.clip(y, -np.inf if lo is None else lo, np.inf if hi is None else hi)
+    return y
+
+
+def run_steps(steps: Sequence[Mapping[str, Any]], values: dict[str, np.ndarray], consts: Mapping[str, np.ndarray]) -> None:
+    """Interpret a host program (what an artifact stores for each host op); writes into ``values``.
+
+    Steps: ``conv`` (x, w, b, strides, pads), ``add``, ``acts``, ``slice`` (channels), ``concat``
+    (channels), ``layer`` (one ONNX op; inputs are tensor names or ``{"const": key}``)."""
+
+    def arg(a: Optional[Any]):
+        if a is None:
+            return None
+        if isinstance(a, dict):
+            return consts[a["const"]]
+        return values[a]
+
+    for st in steps:
+        op = st["op"]
+        if op == "conv":
+            y = conv2d(values[st["in"]], consts[st["w"]], consts[st["b"]], strides=st["strides"], pads=st["pads"])
+        elif op == "add":
+            y = values[st["in"][0]]
+            for name in st["in"][1:]:
+                y = y + values[name]
+        elif op == "acts":
+            y = apply_acts(values[st["in"]], st["acts"])
+        elif op == "slice":
+            y = values[st["in"]][:, st["c0"] : st["c1"]]
+        elif op == "concat":
+            y = np.concatenate([values[n] for n in st["in"]], axis=1)
+        elif op == "layer":
+            y = run_op(st["op_type"], st["attrs"], [arg(a) for a in st["in"]])
+        else:
+            raise BuildError(f"host step {op!r} is unknown; expected conv, add, acts, slice, concat or layer - rebuild the artifact")
+        values[st["out"]] = y

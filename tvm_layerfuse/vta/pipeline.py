@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..planner import plan as make_plan
 from .codegen import compile_graph, prepare
 from .config import DEFAULT, VTAConfig
-from .executor import CompiledVTA, RunResult, execute
+from .executor import CompiledVTA, execute
+from .runtime import RunResult
 from .graph import VTAGraph, lower_plan, placement, unfuse
 from .quantize import Quantization, calibrate, random_samples, reference
 

@@ -34,6 +34,7 @@ import numpy as np
 from ..errors import InputError
 from . import host
 from .graph import Act, ConcatOp, ConvOp, EltwiseOp, HostOp, Op, VTAGraph
+from .numerics import dequantize, quantize, shift_round
 
 log = logging.getLogger(__name__)
 
@@ -51,29 +52,53 @@ def run_float(graph: VTAGraph, feeds: Mapping[str, np.ndarray]) -> dict[str, np.
 
 
 def float_op(graph: VTAGraph, op: Op, values: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    if isinstance(op, ConvOp):
-        y = host.conv2d(values[op.input], op.weight, op.bias, strides=op.strides, pads=op.pads)
-        if op.residual:
-            y = y + values[op.residual]
-        y = _float_acts(y, op.acts)
-        return [y[:, s.c0 : s.c1] for s in op.outputs]
-    if isinstance(op, EltwiseOp):
-        y = sum(values[i] for i in op.inputs[1:]) + values[op.inputs[0]] if len(op.inputs) > 1 else values[op.inputs[0]]
-        return [_float_acts(y, op.acts)]
-    if isinstance(op, ConcatOp):
-        return [np.concatenate([values[i] for i in op.inputs], axis=1)]
+    """``op`` in float64 through its host program (the same steps an artifact runs)."""
+    steps, consts = host_program(graph, op)
     local = dict(values)
+    host.run_steps(steps, local, consts)
+    return [local[o] for o in op.writes]
+
+
+def host_program(graph: VTAGraph, op: Op) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """The host steps and constants that compute ``op`` in float (see :func:`host.run_steps`)."""
+    if isinstance(op, ConvOp):
+        w, b, y = f"{op.name}::W", f"{op.name}::b", f"{op.name}::y"
+        steps = [{"op": "conv", "in": op.input, "w": w, "b": b, "strides": list(op.strides), "pads": list(op.pads), "out": y}]
+        if op.residual:
+            steps.append({"op": "add", "in": [y, op.residual], "out": y})
+        if op.acts:
+            steps.append({"op": "acts", "in": y, "acts": [vars(a) for a in op.acts], "out": y})
+        steps += [{"op": "slice", "in": y, "c0": s.c0, "c1": s.c1, "out": s.tensor} for s in op.outputs]
+        return steps, {w: op.weight, b: op.bias}
+    if isinstance(op, EltwiseOp):
+        y = f"{op.name}::y"
+        steps = [{"op": "add", "in": list(op.inputs), "out": y}, {"op": "acts", "in": y, "acts": [vars(a) for a in op.acts], "out": op.output}]
+        return steps, {}
+    if isinstance(op, ConcatOp):
+        return [{"op": "concat", "in": list(op.inputs), "out": op.output}], {}
+    steps, consts = [], {}
+    first = graph.first
     for name in op.layers:
-        layer = graph.first.layer(name)
-        for out, v in zip(layer.outputs, host.run_layer(graph.first, layer, local)):
-            local[out] = v
-    return [local[o] for o in op.outputs]
+        layer = first.layer(name)
+        args = []
+        for i in layer.inputs:
+            if not i:
+                args.append(None)
+            elif first.is_constant(i):
+                v = np.asarray(first.tensor(i).value())
+                consts[i] = v.astype(np.float64) if v.dtype.kind == "f" else v
+                args.append({"const": i})
+            else:
+                args.append(i)
+        if layer.op_type not in host.HOST_OPS or layer.domain or len(layer.outputs) != 1:
+            from ..errors import BuildError
 
-
-def _float_acts(y: np.ndarray, acts: Sequence[Act]) -> np.ndarray:
-    for a in acts:
-        y = np.maximum(y, 0) if a.kind == "relu" else np.clip(y, a.lo if a.lo is not None else -np.inf, a.hi if a.hi is not None else np.inf)
-    return y
+            raise BuildError(
+                f"layer {layer.name!r} ({layer.op_type}) has no host implementation in the VTA flow; expected one of "
+                f"{', '.join(sorted(host.HOST_OPS))} - use the cpu target for this model"
+            )
+        steps.append({"op": "layer", "op_type": layer.op_type, "attrs": host.layer_attrs(layer), "in": args, "out": layer.outputs[0]})
+    return steps, consts
 
 
 # ---------------------------------------------------------------------- scales
@@ -159,15 +184,6 @@ def calibrate(graph: VTAGraph, samples: Sequence[Mapping[str, np.ndarray]], *, s
     return Quantization(frac, weight_frac, max_abs, len(samples))
 
 
-def quantize(x: np.ndarray, f: int) -> np.ndarray:
-    """``clamp(floor(x * 2**f + 1/2), -128, 127)`` as int8."""
-    return np.clip(np.floor(np.asarray(x, dtype=np.float64) * 2.0**f + 0.5), -128, 127).astype(np.int8)
-
-
-def dequantize(q: np.ndarray, f: int) -> np.ndarray:
-    return q.astype(np.float64) * 2.0**-f
-
-
 # ---------------------------------------------------------------------- integer parameters
 @dataclass
 class IntConv:
@@ -222,13 +238,6 @@ def act_bounds(acts: Sequence[Act], f_out: int) -> tuple[int, int]:
             if a.hi is not None:
                 hi = min(hi, int(np.floor(a.hi * 2.0**f_out + 0.5)))
     return lo, max(lo, hi)
-
-
-def shift_round(acc: np.ndarray, shift) -> np.ndarray:
-    """VTA's SHR: arithmetic right shift, left for negative amounts (int64; ``shift`` a
-    scalar or an array broadcast against ``acc``)."""
-    shift = np.asarray(shift, dtype=np.int64)
-    return np.where(shift >= 0, acc >> np.maximum(shift, 0), acc << np.maximum(-shift, 0))
 
 
 # ---------------------------------------------------------------------- numpy int8 reference
