@@ -98,3 +98,42 @@ def gain(b: VTABuild, feeds: Mapping[str, np.ndarray]) -> dict[str, dict[str, in
     if b.unfused is None:
         raise ValueError("build(..., baseline=True) compiles the unfused form this comparison needs")
     return {"fused": b.run(feeds).counters.to_dict(), "unfused": b.run(feeds, fused=False).counters.to_dict()}
+
+
+def compile_vta(
+    model_path: Any,
+    out_dir: Any,
+    *,
+    config: Any = None,
+    calibration: Optional[Sequence[Mapping[str, np.ndarray]]] = None,
+    n_calibration: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Compile an ONNX model for VTA into the artifact directory ``out_dir``.
+
+    ``config``: a :class:`VTAConfig`, a path to a ``vta_config.json`` or None (VTA's
+    default). ``calibration``: input dicts; None draws ``n_calibration`` seeded random
+    inputs. Returns the report (:func:`report`) of the build, baseline included."""
+    from pathlib import Path
+
+    from .config import load_config
+    from .executor import to_module
+
+    cfg = config if isinstance(config, VTAConfig) else (load_config(config) if config is not None else DEFAULT)
+    b = build(model_path, cfg=cfg, calibration=calibration, n_calibration=n_calibration, seed=seed, baseline=True)
+    to_module(b.fused).save(Path(out_dir))
+    return report(b)
+
+
+def report(b: VTABuild, *, seed: int = 100) -> dict[str, Any]:
+    """What runs where, instructions per program, and one inference's counters, fused vs unfused."""
+    feeds = random_samples(b.graph, 1, seed=seed)[0]
+    out: dict[str, Any] = {
+        "config": b.fused.cfg.summary(),
+        "placement": b.placement(),
+        "instructions": b.fused.instruction_counts(),
+        "calibration_inputs": b.quantization.calibration_inputs,
+    }
+    if b.unfused is not None:
+        out["counters"] = gain(b, feeds)
+    return out
