@@ -154,3 +154,10 @@ def test_module_assignment():
     assert isa.module_of(isa.MemInsn(memory_type=isa.MEM_ACC_8BIT)) == "compute"
     assert isa.module_of(isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT)) == "store"
     assert isa.module_of(isa.FinishInsn()) == "compute"
+
+
+def test_vta_target_preset_is_the_default_configuration():
+    from pathlib import Path
+
+    preset = Path(__file__).resolve().parents[1] / "targets" / "vta.json"
+    assert load_config(preset) == DEFAULT

@@ -224,8 +224,22 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "VTA configuratio
     return cfg
 
 
+def preset_config(name: str = "vta") -> VTAConfig:
+    """The ``vta`` block of a target preset (``targets/vta.json``)."""
+    import importlib.resources
+
+    res = importlib.resources.files("tvm_layerfuse.targets") / f"{name}.json"
+    try:
+        data = json.loads(res.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"target preset {name!r} cannot be read ({exc}); expected targets/{name}.json - reinstall the package") from None
+    if "vta" not in data:
+        raise UsageError(f"target preset {name!r} has no 'vta' block; expected the keys of vta_config.json under 'vta' - add them")
+    return config_from_dict(data["vta"], source=f"target preset {name!r}")
+
+
 def load_config(path: Union[str, Path]) -> VTAConfig:
-    """Read and validate a ``vta_config.json`` file."""
+    """Read and validate a ``vta_config.json`` file (or a target preset with a ``vta`` block)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -238,4 +252,6 @@ def load_config(path: Union[str, Path]) -> VTAConfig:
             f"VTA configuration {str(p)!r} is not valid JSON (line {exc.lineno}: {exc.msg}); expected the format of "
             "vta_config.json - fix the file"
         ) from None
+    if isinstance(data, dict) and isinstance(data.get("vta"), dict):
+        data = data["vta"]
     return config_from_dict(data, source=f"VTA configuration {str(p)!r}")
