@@ -37,7 +37,7 @@ def test_config_from_json_file(tmp_path):
     "data, needle",
     [
         ({"LOG_BLOCK": "4"}, "LOG_BLOCK is '4'; expected an integer"),
-        ({"LOG_ACC_WIDTH": 4}, "LOG_ACC_WIDTH is 4; this simulator and code generator support 5"),
+        ({"LOG_ACC_WIDTH": 4}, "LOG_ACC_WIDTH is 4; expected 5"),
         ({"LOG_BLOK": 4}, "unknown key(s) LOG_BLOK"),
         ({"LOG_BLOCK_IN": 4, "LOG_BLOCK_OUT": 3}, "differ; expected a square GEMM block"),
         ({"LOG_ACC_BUFF_SIZE": 24, "LOG_INP_BUFF_SIZE": 24}, "encoding needs"),

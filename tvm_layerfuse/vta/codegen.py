@@ -194,7 +194,7 @@ def prepare(graph: VTAGraph, cfg: VTAConfig = DEFAULT) -> dict[str, Storage]:
             from ..errors import ShapeError
 
             raise ShapeError(
-                f"input {name!r} has batch {graph.shapes[name][0]}; VTA's configuration has batch {cfg.batch} - "
+                f"input {name!r} has batch {graph.shapes[name][0]}; expected batch {cfg.batch} (VTA's configuration) - "
                 "compile with batch 1 (--input-shape) and run images one by one"
             )
     for op in graph.ops:

@@ -203,7 +203,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "VTA configuratio
         if not lo <= value <= hi:
             want = f"{lo}" if lo == hi else f"{lo}..{hi}"
             raise UsageError(
-                f"{source}: {key} is {value}; this simulator and code generator support {want} - "
+                f"{source}: {key} is {value}; expected {want} (what this simulator and code generator support) - "
                 "use VTA's default configuration values for the widths and batch"
             )
     for key in ("TARGET", "HW_VER"):
@@ -220,7 +220,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "VTA configuratio
 
     problem = check_layout(cfg)
     if problem:
-        raise UsageError(f"{source}: {problem} - reduce the buffer sizes")
+        raise UsageError(f"{source}: {problem}; expected every field to fit - reduce the buffer sizes")
     return cfg
 
 
