@@ -75,5 +75,5 @@ def test_tampered_or_foreign_artifacts_are_refused(artifact, tmp_path):
 
 def test_wrong_input_shape_is_an_input_error(artifact):
     art, _, _ = artifact
-    with pytest.raises(InputError, match="input 'input' has shape \\[1, 3, 16, 16\\]"):
+    with pytest.raises(InputError, match="input 'input' has shape \\[1, 3, 16, 16\\]; expected \\[1, 3, 32, 32\\]"):
         load_vta(art).run({"input": np.zeros((1, 3, 16, 16), np.float32)})

@@ -199,7 +199,7 @@ class VTAModule:
                 raise InputError(f"input {name!r} is missing; expected {sorted(self.inputs)} - pass every model input")
             got = list(np.shape(feeds[name]))
             if got != shape:
-                raise InputError(f"input {name!r} has shape {got}; the VTA artifact was compiled for {shape} - resize the input or recompile")
+                raise InputError(f"input {name!r} has shape {got}; expected {shape} (what the VTA artifact was compiled for) - resize the input or recompile")
 
     # ------------------------------------------------------------------ files
     def save(self, out_dir: Union[str, Path]) -> Path:
