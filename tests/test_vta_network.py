@@ -87,3 +87,37 @@ def test_small_buffers_force_tiling_and_stay_exact():
     tilings = [p.tiling for p in b.fused.programs.values() if p.kind == "conv"]
     assert any(t["ob"] > t["obc"] for t in tilings) and any(t["oht"] < 16 for t in tilings)
     _check_bit_exact(b, random_samples(b.graph, 1, seed=6)[0])
+
+
+def test_generated_programs_need_their_dependency_tokens(inception):
+    """Dropping the tokens of a generated program is caught, never a silent wrong result."""
+    import dataclasses
+
+    from tvm_layerfuse.vta.sim import DeadlockError, HazardError, Simulator
+
+    model, b = inception
+    name, prog = next((n, p) for n, p in b.fused.programs.items() if p.kind == "conv" and len(p.insns) > 8)
+    sim = Simulator(b.fused.cfg)
+    sim.dram.data = b.fused.image.copy()
+    sim.dram.top = b.fused.image.size
+    sim.run(prog.insns)  # as generated: runs
+    flags = ("pop_prev", "pop_next", "push_prev", "push_next")
+    bare = [dataclasses.replace(i, **{f: False for f in flags}) for i in prog.insns]
+    with pytest.raises(HazardError):
+        sim.run(bare)
+    one_pop_missing = list(prog.insns)
+    k = next(k for k, i in enumerate(prog.insns) if i.pop_prev and not isinstance(i, type(prog.insns[-1])))
+    one_pop_missing[k] = dataclasses.replace(prog.insns[k], pop_prev=False)
+    with pytest.raises((HazardError, DeadlockError)):
+        sim.run(one_pop_missing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "builder, kw",
+    [(zoo.resnet18, {"width": 0.5, "image": 64}), (zoo.googlenet, {"blocks": 9, "width": 0.5, "image": 64})],
+)
+def test_larger_networks_bit_exact(builder, kw):
+    model = builder(seed=7, **kw)
+    b = pipeline.build(model, baseline=True, n_calibration=2, seed=8)
+    _check_bit_exact(b, random_samples(b.graph, 1, seed=9)[0])
