@@ -200,3 +200,16 @@ def test_out_of_range_access_is_an_error():
     dram = DRAM(1024)
     with pytest.raises(VTAProgramError, match="inp buffer holds 2048"):
         Simulator(DEFAULT, dram).run([isa.MemInsn(memory_type=isa.MEM_INP, sram_base=2040, y_size=1, x_size=16, x_stride=16), isa.FinishInsn()])
+
+
+def test_relocated_program_computes_the_same_at_another_base():
+    rng = np.random.default_rng(5)
+    dram, prog, out_a, expect = _gemm_program(rng, relu_shift=9, residual=True)
+    base = 1 << 20  # the image moved to 1 MiB, as a board driver places it
+    moved = DRAM(base + dram.data.size)
+    moved.write(base, dram.data)
+    Simulator(DEFAULT, moved).run(isa.relocate(prog, base))
+    got = moved.read(base + out_a * 16, expect.size).view(np.int8).reshape(expect.shape)
+    np.testing.assert_array_equal(got, expect)
+    with pytest.raises(isa.ISAError, match="not a multiple"):
+        isa.relocate(prog, 8)

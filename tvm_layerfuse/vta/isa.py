@@ -336,3 +336,29 @@ def describe(insn: Insn) -> str:
         reset = " reset" if insn.reset_reg else ""
         return f"{name}{reset} uop[{insn.uop_bgn}:{insn.uop_end}] {insn.iter_out}x{insn.iter_in}{extra} {deps}".rstrip()
     return f"FINISH {deps}".rstrip()
+
+
+def elem_bytes_of(memory_type: int, cfg: VTAConfig = DEFAULT) -> int:
+    """Bytes of one DRAM element a LOAD/STORE of ``memory_type`` addresses (``acc8``: input-sized)."""
+    return {
+        MEM_UOP: cfg.uop_elem_bytes,
+        MEM_WGT: cfg.wgt_elem_bytes,
+        MEM_INP: cfg.inp_elem_bytes,
+        MEM_ACC: cfg.acc_elem_bytes,
+        MEM_OUT: cfg.out_elem_bytes,
+        MEM_ACC_8BIT: cfg.inp_elem_bytes,
+    }[memory_type]
+
+
+def relocate(insns: Sequence[Insn], base_bytes: int, cfg: VTAConfig = DEFAULT) -> list[Insn]:
+    """The program with its DRAM image moved to byte address ``base_bytes`` (what a board
+    driver does after allocating the image in physically contiguous memory)."""
+    out = []
+    for insn in insns:
+        if isinstance(insn, MemInsn):
+            eb = elem_bytes_of(insn.memory_type, cfg)
+            if base_bytes % eb:
+                raise ISAError(f"relocation base {base_bytes} is not a multiple of the {MEM_NAMES[insn.memory_type]} element ({eb} bytes)")
+            insn = dataclasses.replace(insn, dram_base=insn.dram_base + base_bytes // eb)
+        out.append(insn)
+    return out
