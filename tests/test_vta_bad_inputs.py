@@ -9,9 +9,8 @@ import pytest
 from tvm_layerfuse.errors import LayerfuseError
 from tvm_layerfuse.testing import zoo
 from tvm_layerfuse.vta import pipeline
-from tvm_layerfuse.vta.config import config_from_dict, load_config
+from tvm_layerfuse.vta.config import DEFAULT, load_config
 from tvm_layerfuse.vta.runtime import load_vta, open_device
-from tvm_layerfuse.vta.config import DEFAULT
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-inputs.md"
 

@@ -495,10 +495,25 @@ class Compiler:
         return Program(op.name, steps.finish(), "copy", {})
 
 
-def compile_graph(graph: VTAGraph, q: Quantization, cfg: VTAConfig = DEFAULT):
-    """Generate the programs and the DRAM image of a prepared, quantized graph."""
-    from .executor import CompiledVTA
+@dataclass
+class CompiledVTA:
+    """Everything an inference needs: graph, scales, storage, programs, DRAM image."""
 
+    graph: VTAGraph
+    q: Quantization
+    storage: dict[str, Storage]
+    cfg: VTAConfig
+    image: np.ndarray  # uint8 DRAM image
+    regions: dict[str, tuple[int, int]]
+    programs: dict[str, Program]
+    streams: dict[str, np.ndarray] = field(default_factory=dict)  # encoded instructions per program
+
+    def instruction_counts(self) -> dict[str, int]:
+        return {name: len(p.insns) for name, p in self.programs.items()}
+
+
+def compile_graph(graph: VTAGraph, q: Quantization, cfg: VTAConfig = DEFAULT) -> CompiledVTA:
+    """Generate the programs and the DRAM image of a prepared, quantized graph."""
     storage = prepare(graph, cfg)
     comp = Compiler(graph, q, storage, cfg).compile()
     for name, st in storage.items():

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Union
 
 from ..errors import UsageError
+from .encoding import check_layout
 
 UOP_WIDTH_BITS = 32
 LOG_FIELDS = (
@@ -216,8 +217,6 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "VTA configuratio
                 f"{source}: LOG_{kind.upper()}_BUFF_SIZE={getattr(cfg, f'LOG_{kind.upper()}_BUFF_SIZE')} gives a "
                 f"{kind} buffer of {getattr(cfg, f'{kind}_depth')} elements; expected at least 16 - enlarge the buffer"
             )
-    from .isa import check_layout  # the instruction fields must fit in 128 bits
-
     problem = check_layout(cfg)
     if problem:
         raise UsageError(f"{source}: {problem}; expected every field to fit - reduce the buffer sizes")

@@ -8,35 +8,16 @@ exactly that module, so the in-memory path and a loaded artifact are one code pa
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Mapping, Union
 
 import numpy as np
 
-from .codegen import Program, Storage
-from .config import VTAConfig
-from .graph import ConcatOp, VTAGraph
-from .quantize import Quantization, host_program
+from .codegen import CompiledVTA
+from .graph import ConcatOp
+from .quantize import host_program
 from .runtime import FORMAT, RunResult, VTADevice, VTAModule
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CompiledVTA:
-    """Everything an inference needs: graph, scales, storage, programs, DRAM image."""
-
-    graph: VTAGraph
-    q: Quantization
-    storage: dict[str, Storage]
-    cfg: VTAConfig
-    image: np.ndarray  # uint8 DRAM image
-    regions: dict[str, tuple[int, int]]
-    programs: dict[str, Program]
-    streams: dict[str, np.ndarray] = field(default_factory=dict)  # encoded instructions per program
-
-    def instruction_counts(self) -> dict[str, int]:
-        return {name: len(p.insns) for name, p in self.programs.items()}
 
 
 def to_module(model: CompiledVTA, *, device: Union[str, VTADevice] = "sim") -> VTAModule:

@@ -21,12 +21,12 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from ..planner import plan as make_plan
-from .codegen import compile_graph, prepare
+from .codegen import CompiledVTA, compile_graph, prepare
 from .config import DEFAULT, VTAConfig
-from .executor import CompiledVTA, execute
-from .runtime import RunResult
+from .executor import execute
 from .graph import VTAGraph, lower_plan, placement, unfuse
 from .quantize import Quantization, calibrate, random_samples, reference
+from .runtime import RunResult
 
 log = logging.getLogger(__name__)
 

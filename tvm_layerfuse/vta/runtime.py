@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol, Union
+from typing import Any, Mapping, Protocol, Union
 
 import numpy as np
 
