@@ -36,6 +36,8 @@ def test_loaded_artifact_matches_the_int8_reference(artifact):
     assert {op["kind"] for op in manifest["ops"]} == {"vta", "host"}
     assert rep["counters"]["fused"]["dram_nbytes"] < rep["counters"]["unfused"]["dram_nbytes"]
     assert sum(rep["instructions"].values()) == sum(manifest["instructions"].values())
+    text = pipeline.format_report(rep)
+    assert "host  conv" in text and "3 input channels" in text and "in place" in text and "dram_nbytes" in text
 
 
 def test_runtime_side_imports_neither_onnx_nor_tvm(artifact):

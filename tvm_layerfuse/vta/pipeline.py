@@ -137,3 +137,30 @@ def report(b: VTABuild, *, seed: int = 100) -> dict[str, Any]:
     if b.unfused is not None:
         out["counters"] = gain(b, feeds)
     return out
+
+
+def format_report(rep: Mapping[str, Any]) -> str:
+    """:func:`report` as text (what ``inspect --compile --target vta`` shows)."""
+    cfg = rep["config"]
+    lines = [
+        f"VTA {cfg['TARGET']} block {cfg['block']}x{cfg['block']}, buffers (elements) "
+        + ", ".join(f"{k} {v}" for k, v in cfg["depths"].items())
+        + f"; calibrated on {rep['calibration_inputs']} input(s)",
+        "",
+        "layer placement:",
+    ]
+    instructions = rep["instructions"]
+    for row in rep["placement"]:
+        where = row["where"]
+        extra = f"{instructions[row['op']]} instructions" if row["op"] in instructions else (row["reason"] or "")
+        if where == "vta" and row["op"] not in instructions:
+            extra = "in place (producers store at offsets)"
+        lines.append(f"  {where:<5} {row['kind']:<18} {row['op']}  ({extra})")
+    if "counters" in rep:
+        u, f = rep["counters"]["unfused"], rep["counters"]["fused"]
+        lines += ["", f"  {'one inference':<18}{'unfused':>12}{'fused':>12}{'change':>9}"]
+        for k in ("inp_load_nbytes", "wgt_load_nbytes", "acc_load_nbytes", "uop_load_nbytes", "out_store_nbytes",
+                  "dram_nbytes", "insn_count", "gemm_counter", "alu_counter"):
+            change = (f[k] - u[k]) / u[k] * 100 if u[k] else 0.0
+            lines.append(f"  {k:<18}{u[k]:>12}{f[k]:>12}{change:>8.1f}%")
+    return "\n".join(lines)
