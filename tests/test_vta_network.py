@@ -121,3 +121,24 @@ def test_larger_networks_bit_exact(builder, kw):
     model = builder(seed=7, **kw)
     b = pipeline.build(model, baseline=True, n_calibration=2, seed=8)
     _check_bit_exact(b, random_samples(b.graph, 1, seed=9)[0])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "resnet50",  # bottleneck blocks, projection shortcuts
+        "mobilenet_v2",  # Clip(0, 6) epilogues on VTA, depthwise convs on the host, residual without ReLU
+        "densenet121",  # pre-activation prologues on the host, chained concats
+        pytest.param("inception_v3", marks=pytest.mark.slow),  # 1x7/7x1 kernels, asymmetric padding
+        pytest.param("squeezenet1_1", marks=pytest.mark.slow),
+        pytest.param("efficientnet_like", marks=pytest.mark.slow),
+    ],
+)
+def test_zoo_networks_bit_exact_and_fusion_pays(name):
+    model = zoo.BUILDERS[name](seed=1, **({"image": 75} if name == "inception_v3" else {}))
+    b = pipeline.build(model, baseline=True, n_calibration=2, seed=2)
+    feeds = random_samples(b.graph, 1, seed=3)[0]
+    _check_bit_exact(b, feeds)
+    g = pipeline.gain(b, feeds)
+    assert g["fused"]["dram_nbytes"] < g["unfused"]["dram_nbytes"]
+    assert g["fused"]["insn_count"] < g["unfused"]["insn_count"]
