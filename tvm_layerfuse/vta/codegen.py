@@ -169,8 +169,8 @@ def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig)
         if oht < 1:
             continue
         tiles, chunks = -(-oh // oht), -(-ob // obc)
-        inp_bytes = ib * h * wt * cfg.inp_elem_bytes * (1 + (tiles - 1) * 0)  # once per pass
-        halo = ib * (kh - s) * wt * cfg.inp_elem_bytes * max(tiles - 1, 0)
+        inp_bytes = ib * h * w * cfg.inp_elem_bytes  # one pass over the input
+        halo = ib * max(kh - s, 0) * w * cfg.inp_elem_bytes * (tiles - 1)  # rows loaded twice at tile seams
         wgt_bytes = ob * ib * kk * cfg.wgt_elem_bytes
         cost_chunk_outer = wgt_bytes + (inp_bytes + halo) * (chunks if tiles > 1 else 1)
         cost_row_outer = inp_bytes + halo + wgt_bytes * (tiles if chunks > 1 else 1)

@@ -181,7 +181,7 @@ def _rank(graph: TopologyGraph, tensor: str) -> int:
 
 def _host(first: TopologyGraph, layer: Layer, reason: str) -> HostOp:
     members = [m for m in first.layers if m.name in set(layer.members)] if layer.members else [first.layer(layer.name)]
-    data_in = [i for i in layer.inputs if i and not first.tensors.get(i, None) or (i and not first.tensor(i).constant)]
+    data_in = [i for i in layer.inputs if i and not (i in first.tensors and first.tensor(i).constant)]
     return HostOp(layer.name, [m.name for m in members], data_in, list(layer.outputs), op_type=layer.op_type, reason=reason)
 
 
