@@ -360,6 +360,8 @@ class Compiler:
         vec = np.zeros((3, ob_pad * block), np.int64)
         vec[0, :co_phys], vec[1, :co_phys], vec[2, :co_phys] = b_phys, shift_phys, rshift_phys
         b_base = self._region(f"vec:{op.name}", vec.astype("<i4").reshape(3, ob_pad, block), cfg.acc_elem_bytes)
+        # bias always; shift vector when any channel shifts; residual shifts only with a residual
+        n_vec = 3 if op.residual is not None and np.any(p.res_shift) else (2 if np.any(p.shift) else 1)
         # output block -> (DRAM element of block row 0, is-last-of-segment)
         out_elem = []
         for seg, nb in zip(op.outputs, seg_blocks):
@@ -404,7 +406,7 @@ class Compiler:
                                                  x_size=len(uops), x_stride=len(uops)))
             if (ob0, obn) != prev_chunk:
                 st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=bias_base, dram_base=b_base + ob0,
-                                                 y_size=3, x_size=t.obc, x_stride=ob_pad))
+                                                 y_size=n_vec, x_size=t.obc, x_stride=ob_pad))
             if res is None:
                 st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=u_tile, uop_end=u_tile + 1, iter_out=obn,
                                                   iter_in=pcur, dst_factor_out=p_full, dst_factor_in=1))
