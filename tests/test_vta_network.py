@@ -79,13 +79,17 @@ def test_int8_close_to_fp32(resnet, inception):
 
 
 def test_small_buffers_force_tiling_and_stay_exact():
-    # 256 input vectors, 64 weight blocks, 128 accumulators: every layer splits into row
-    # tiles and output-channel chunks
+    # 256 input vectors, 64 weight blocks, 128 accumulators: layers split into row tiles,
+    # output-channel chunks and input-channel (reduction) chunks
     cfg = config_from_dict({"LOG_INP_BUFF_SIZE": 12, "LOG_WGT_BUFF_SIZE": 14, "LOG_ACC_BUFF_SIZE": 13, "LOG_UOP_BUFF_SIZE": 12})
     model = zoo.resnet18(width=0.5, image=32, layers=(1, 1, 1, 1), seed=4)
     b = pipeline.build(model, cfg=cfg, baseline=True, n_calibration=2, seed=5)
     tilings = [p.tiling for p in b.fused.programs.values() if p.kind == "conv"]
     assert any(t["ob"] > t["obc"] for t in tilings) and any(t["oht"] < 16 for t in tilings)
+    # 256 channels x 3x3 need 144 weight blocks per output block: the reduction is split
+    assert any(t["ibc"] < t["ib"] for t in tilings)
+    convs = [op for op in b.graph.ops if isinstance(op, ConvOp)]
+    assert [op.name for op in convs if not op.on_vta] == [convs[0].name]  # only the stem stays on the host
     _check_bit_exact(b, random_samples(b.graph, 1, seed=6)[0])
 
 

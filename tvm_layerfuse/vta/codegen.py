@@ -7,7 +7,8 @@ DRAM image (packed weights, biases, micro-op kernels, activation buffers; see
 A conv (:class:`ConvOp`) is tiled over output rows (``OHt`` rows) and output-channel blocks
 (``obc`` blocks) so that its input rows with halo, its weights, its accumulators (tile,
 residual, bias) and its micro-ops fit the on-chip buffers; the loop order (channel chunks
-outside or row tiles outside) is the one that moves fewer DRAM bytes. Each step::
+outside or row tiles outside) is the one that moves fewer DRAM bytes. (``ibc`` input blocks per reduction chunk when even one output block with all input blocks
+does not fit: the accumulators then stay on chip across the chunks). Each step::
 
     load:    LOAD wgt (when the chunk changes)   LOAD inp per input block (y/x padding by the DMA)
     compute: LOAD uop (once)
@@ -135,6 +136,7 @@ class ConvTiling:
     chunk_outer: bool
     ib: int
     ob: int
+    ibc: int  # input blocks per reduction chunk (ib: no split)
     kh: int
     kw: int
     wt: int  # padded input width in SRAM
@@ -161,29 +163,33 @@ def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig)
     kk = kh * kw
     res = op.residual is not None
     best, best_cost = None, None
-    for obc in range(min(ob, cfg.wgt_depth // (ib * kk)), 0, -1):
-        lim_acc = (cfg.acc_depth - 3 * obc) // (obc * ow)  # tile + bias, shift, residual-shift vectors
-        lim_inp = ((cfg.inp_depth // (ib * wt)) - kh) // s + 1 if cfg.inp_depth // (ib * wt) >= kh else 0
-        lim_uop = (cfg.uop_depth - 4) // (ib * kk)
-        oht = min(oh, lim_acc, lim_inp, lim_uop, (1 << isa.LOOP_ITER_WIDTH) // max(ow, 1))
-        if oht < 1:
-            continue
-        tiles, chunks = -(-oh // oht), -(-ob // obc)
-        inp_bytes = ib * h * w * cfg.inp_elem_bytes  # one pass over the input
-        halo = ib * max(kh - s, 0) * w * cfg.inp_elem_bytes * (tiles - 1)  # rows loaded twice at tile seams
-        wgt_bytes = ob * ib * kk * cfg.wgt_elem_bytes
-        cost_chunk_outer = wgt_bytes + (inp_bytes + halo) * (chunks if tiles > 1 else 1)
-        cost_row_outer = inp_bytes + halo + wgt_bytes * (tiles if chunks > 1 else 1)
-        for chunk_outer, cost in ((True, cost_chunk_outer), (False, cost_row_outer)):
-            key = (cost, tiles * chunks)
-            if best_cost is None or key < best_cost:
-                ht = (oht - 1) * s + kh
-                best, best_cost = ConvTiling(obc, oht, chunk_outer, ib, ob, kh, kw, wt, ht, res), key
+    for ibc in range(ib, 0, -1):  # split the reduction over input blocks only when nothing else fits
+        split = ibc < ib
+        for obc in range(min(ob, cfg.wgt_depth // (ibc * kk)), 0, -1):
+            lim_acc = (cfg.acc_depth - 3 * obc) // (obc * ow)  # tile + bias, shift, residual-shift vectors
+            lim_inp = ((cfg.inp_depth // (ibc * wt)) - kh) // s + 1 if cfg.inp_depth // (ibc * wt) >= kh else 0
+            lim_uop = (cfg.uop_depth - 4) // ((2 if split else 1) * ibc * kk)  # a second kernel for the last chunk
+            oht = min(oh, lim_acc, lim_inp, lim_uop, (1 << isa.LOOP_ITER_WIDTH) // max(ow, 1))
+            if oht < 1:
+                continue
+            tiles, chunks = -(-oh // oht), -(-ob // obc)
+            inp_bytes = ib * h * w * cfg.inp_elem_bytes  # one pass over the input
+            halo = ib * max(kh - s, 0) * w * cfg.inp_elem_bytes * (tiles - 1)  # rows loaded twice at tile seams
+            wgt_bytes = ob * ib * kk * cfg.wgt_elem_bytes
+            if split:  # every (chunk, tile) reloads its inputs and weights
+                costs = [(True, (inp_bytes + halo) * chunks + wgt_bytes * tiles)]
+            else:
+                costs = [(True, wgt_bytes + (inp_bytes + halo) * (chunks if tiles > 1 else 1)),
+                         (False, inp_bytes + halo + wgt_bytes * (tiles if chunks > 1 else 1))]
+            for chunk_outer, cost in costs:
+                key = (cost, tiles * chunks)
+                if best_cost is None or key < best_cost:
+                    ht = (oht - 1) * s + kh
+                    best, best_cost = ConvTiling(obc, oht, chunk_outer, ib, ob, ibc, kh, kw, wt, ht, res), key
+        if best is not None:
+            break
     if best is None:
-        return None, (
-            f"{ib} input blocks x {kh}x{kw} kernel at width {w} do not fit the on-chip buffers "
-            "(input-channel splitting is not implemented)"
-        )
+        return None, f"one input block x {kh}x{kw} kernel rows at width {w} do not fit the on-chip buffers"
     return best, None
 
 
@@ -245,23 +251,27 @@ class _Steps:
             flags.setdefault(k, {})[name] = True
 
         n = len(self.steps)
+        pending_store = False  # a store step whose store->compute token no compute step popped yet
         for t, pos in enumerate(index):
-            if not pos["compute"] or not pos["store"]:
-                raise ValueError("every step needs compute and store instructions")
+            if not pos["compute"]:
+                raise ValueError("every step needs compute instructions")
             if pos["load"]:
                 if t > 0:
                     set_flag(pos["load"][0], "pop_next")
                 set_flag(pos["load"][-1], "push_next")
                 set_flag(pos["compute"][0], "pop_prev")
-            if t > 0:
+            if pending_store:
                 set_flag(pos["compute"][0], "pop_next")
+                pending_store = False
             if t + 1 < n and index[t + 1]["load"]:
                 set_flag(pos["release"], "push_prev")
-            set_flag(pos["compute"][-1], "push_next")
-            set_flag(pos["store"][0], "pop_prev")
-            set_flag(pos["store"][-1], "push_prev")
+            if pos["store"]:
+                set_flag(pos["compute"][-1], "push_next")
+                set_flag(pos["store"][0], "pop_prev")
+                set_flag(pos["store"][-1], "push_prev")
+                pending_store = True
         out = [dataclasses.replace(insn, **flags[k]) if k in flags else insn for k, insn in enumerate(flat)]
-        out.append(isa.FinishInsn(pop_next=True))
+        out.append(isa.FinishInsn(pop_next=pending_store))
         return out
 
 
@@ -374,17 +384,21 @@ class Compiler:
         p_full = t.oht * ow
         bias_base = t.obc * p_full
         shift_base, rshift_base = bias_base + t.obc, bias_base + 2 * t.obc
-        # micro-op kernels: 4 ALU uops (tile; tile with bias, shift, residual-shift vector), then
-        # the GEMM kernel over (oy, ib, i, j)
-        u_tile, u_bias, u_shift, u_rshift, u_gemm = 0, 1, 2, 3, 4
-        oy, ib, i, j = np.meshgrid(np.arange(t.oht), np.arange(t.ib), np.arange(t.kh), np.arange(t.kw), indexing="ij")
-        g_dst = (oy * ow).reshape(-1)
-        g_src = (ib * t.ht * t.wt + (oy * s + i) * t.wt + j).reshape(-1)
-        g_wgt = ((ib * t.kh + i) * t.kw + j).reshape(-1)
-        dst = np.concatenate([[0, 0, 0, 0], g_dst])
-        src = np.concatenate([[0, bias_base, shift_base, rshift_base], g_src])
-        wgt = np.concatenate([[0, 0, 0, 0], g_wgt])
-        uops = isa.encode_uop_arrays(dst, src, wgt, cfg)
+        # micro-op kernels: 4 ALU uops (tile; tile with bias, shift, residual-shift vector), then a
+        # GEMM kernel over (oy, ib, i, j) per distinct reduction-chunk size (oy-major: a tile of
+        # fewer rows uses a prefix of it)
+        u_tile, u_bias, u_shift, u_rshift = 0, 1, 2, 3
+        red = [(b0, min(t.ibc, t.ib - b0)) for b0 in range(0, t.ib, t.ibc)]  # reduction chunks of input blocks
+        dst, src, wgt, kernel_at = [np.array([0, 0, 0, 0])], [np.array([0, bias_base, shift_base, rshift_base])], [np.zeros(4, np.int64)], {}
+        pos = 4
+        for ibn in sorted({n for _, n in red}, reverse=True):
+            oy, ib, i, j = np.meshgrid(np.arange(t.oht), np.arange(ibn), np.arange(t.kh), np.arange(t.kw), indexing="ij")
+            dst.append((oy * ow).reshape(-1))
+            src.append((ib * t.ht * t.wt + (oy * s + i) * t.wt + j).reshape(-1))
+            wgt.append(((ib * t.kh + i) * t.kw + j).reshape(-1))
+            kernel_at[ibn] = pos
+            pos += dst[-1].size
+        uops = isa.encode_uop_arrays(np.concatenate(dst), np.concatenate(src), np.concatenate(wgt), cfg)
         u_base = self._region(f"uop:{op.name}", uops, cfg.uop_elem_bytes)
         res = self.storage[op.residual] if op.residual else None
 
@@ -392,43 +406,54 @@ class Compiler:
         chunks = [(c, min(t.obc, t.ob - c)) for c in range(0, t.ob, t.obc)]
         order = [(c, r) for c in chunks for r in tiles] if t.chunk_outer else [(c, r) for r in tiles for c in chunks]
         steps = _Steps()
-        prev_chunk = prev_rows = None
-        for n_step, ((ob0, obn), (oy0, ohn)) in enumerate(order):
-            st = steps.new()
+        loaded_w = loaded_x = prev_chunk = None
+        for n_tile, ((ob0, obn), (oy0, ohn)) in enumerate(order):
             pcur = ohn * ow
-            if (ob0, obn) != prev_chunk:
-                st["load"].append(isa.MemInsn(memory_type=isa.MEM_WGT, sram_base=0, dram_base=w_base + ob0 * t.ib * kk,
-                                              y_size=1, x_size=obn * t.ib * kk, x_stride=obn * t.ib * kk))
-            if (oy0, ohn) != prev_rows:
-                st["load"] += self._input_loads(inp, t, oy0, ohn, s, pt, pl, pr)
-            if n_step == 0:
-                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u_base, y_size=1,
-                                                 x_size=len(uops), x_stride=len(uops)))
-            if (ob0, obn) != prev_chunk:
-                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=bias_base, dram_base=b_base + ob0,
-                                                 y_size=n_vec, x_size=t.obc, x_stride=ob_pad))
-            if res is None:
-                st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=u_tile, uop_end=u_tile + 1, iter_out=obn,
-                                                  iter_in=pcur, dst_factor_out=p_full, dst_factor_in=1))
-            else:  # the accumulators start from the residual (aligned to F) instead of zero
-                st["compute"] += _blocks_dma(isa.OP_LOAD, isa.MEM_ACC_8BIT, [res.elem + (ob0 + k) * oh * ow + oy0 * ow for k in range(obn)],
-                                             0, p_full, pcur, oh * ow)
-                if np.any(p.res_shift):
-                    st["compute"].append(_alu(isa.ALU_SHR, u_rshift, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
-            st["compute"].append(isa.GemmInsn(uop_bgn=u_gemm, uop_end=u_gemm + ohn * t.ib * kk, iter_out=obn, iter_in=ow,
-                                              dst_factor_out=p_full, dst_factor_in=1, src_factor_out=0, src_factor_in=s,
-                                              wgt_factor_out=t.ib * kk, wgt_factor_in=0))
-            st["release"] = len(st["compute"]) - 1
-            st["compute"].append(_alu(isa.ALU_ADD, u_bias, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
-            if np.any(p.shift):
-                st["compute"].append(_alu(isa.ALU_SHR, u_shift, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
-            _epilogue_tail(st, u_tile, obn, pcur, p_full, 0, p.lo, p.hi)
-            st["store"] += _blocks_dma(isa.OP_STORE, isa.MEM_OUT, [out_elem[ob0 + k][0] + oy0 * ow for k in range(obn)],
-                                       0, p_full, pcur, oh * ow)
-            prev_chunk, prev_rows = (ob0, obn), (oy0, ohn)
+            for k, (ib0, ibn) in enumerate(red):
+                st = steps.new()
+                if loaded_w != (ob0, obn, ib0, ibn):
+                    if ibn == t.ib:  # all input blocks: the chunk's weights are contiguous
+                        st["load"].append(isa.MemInsn(memory_type=isa.MEM_WGT, sram_base=0, dram_base=w_base + ob0 * t.ib * kk,
+                                                      y_size=1, x_size=obn * t.ib * kk, x_stride=obn * t.ib * kk))
+                    else:  # one row of ibn*kk blocks per output block, IB*kk apart
+                        st["load"].append(isa.MemInsn(memory_type=isa.MEM_WGT, sram_base=0, dram_base=w_base + (ob0 * t.ib + ib0) * kk,
+                                                      y_size=obn, x_size=ibn * kk, x_stride=t.ib * kk))
+                    loaded_w = (ob0, obn, ib0, ibn)
+                if loaded_x != (oy0, ohn, ib0, ibn):
+                    st["load"] += self._input_loads(inp, t, oy0, ohn, s, pt, pl, pr, ib0, ibn)
+                    loaded_x = (oy0, ohn, ib0, ibn)
+                if n_tile == 0 and k == 0:
+                    st["compute"].append(isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u_base, y_size=1,
+                                                     x_size=len(uops), x_stride=len(uops)))
+                if k == 0 and (ob0, obn) != prev_chunk:
+                    st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=bias_base, dram_base=b_base + ob0,
+                                                     y_size=n_vec, x_size=t.obc, x_stride=ob_pad))
+                    prev_chunk = (ob0, obn)
+                if k == 0 and res is None:
+                    st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=u_tile, uop_end=u_tile + 1, iter_out=obn,
+                                                      iter_in=pcur, dst_factor_out=p_full, dst_factor_in=1))
+                elif k == 0:  # the accumulators start from the residual (aligned to F) instead of zero
+                    st["compute"] += _blocks_dma(isa.OP_LOAD, isa.MEM_ACC_8BIT,
+                                                 [res.elem + (ob0 + c) * oh * ow + oy0 * ow for c in range(obn)], 0, p_full, pcur, oh * ow)
+                    if np.any(p.res_shift):
+                        st["compute"].append(_alu(isa.ALU_SHR, u_rshift, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
+                u0 = kernel_at[ibn]
+                st["compute"].append(isa.GemmInsn(uop_bgn=u0, uop_end=u0 + ohn * ibn * kk, iter_out=obn, iter_in=ow,
+                                                  dst_factor_out=p_full, dst_factor_in=1, src_factor_out=0, src_factor_in=s,
+                                                  wgt_factor_out=ibn * kk, wgt_factor_in=0))
+                st["release"] = len(st["compute"]) - 1
+                if k < len(red) - 1:
+                    continue
+                st["compute"].append(_alu(isa.ALU_ADD, u_bias, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
+                if np.any(p.shift):
+                    st["compute"].append(_alu(isa.ALU_SHR, u_shift, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
+                _epilogue_tail(st, u_tile, obn, pcur, p_full, 0, p.lo, p.hi)
+                st["store"] += _blocks_dma(isa.OP_STORE, isa.MEM_OUT, [out_elem[ob0 + c][0] + oy0 * ow for c in range(obn)],
+                                           0, p_full, pcur, oh * ow)
         return Program(op.name, steps.finish(), "conv", t.to_dict())
 
-    def _input_loads(self, inp: Storage, t: ConvTiling, oy0: int, ohn: int, s: int, pt: int, pl: int, pr: int) -> list:
+    def _input_loads(self, inp: Storage, t: ConvTiling, oy0: int, ohn: int, s: int, pt: int, pl: int, pr: int,
+                     ib0: int, ibn: int) -> list:
         h, w = inp.height, inp.width
         h0 = oy0 * s - pt
         hn = (ohn - 1) * s + t.kh
@@ -436,12 +461,12 @@ class Compiler:
         y_pad_0, y_pad_1 = v0 - h0, h0 + hn - v1
         if y_pad_0 == 0 and y_pad_1 == 0 and hn == h == t.ht:
             # whole input blocks, back to back in DRAM and (with x padding) in SRAM: one DMA
-            return [isa.MemInsn(memory_type=isa.MEM_INP, sram_base=0, dram_base=inp.elem, y_size=t.ib * h, x_size=w, x_stride=w,
-                                x_pad_0=pl, x_pad_1=pr)]
+            return [isa.MemInsn(memory_type=isa.MEM_INP, sram_base=0, dram_base=inp.elem + ib0 * h * w, y_size=ibn * h, x_size=w,
+                                x_stride=w, x_pad_0=pl, x_pad_1=pr)]
         return [
-            isa.MemInsn(memory_type=isa.MEM_INP, sram_base=k * t.ht * t.wt, dram_base=inp.elem + (k * h + v0) * w,
+            isa.MemInsn(memory_type=isa.MEM_INP, sram_base=k * t.ht * t.wt, dram_base=inp.elem + ((ib0 + k) * h + v0) * w,
                         y_size=v1 - v0, x_size=w, x_stride=w, y_pad_0=y_pad_0, y_pad_1=y_pad_1, x_pad_0=pl, x_pad_1=pr)
-            for k in range(t.ib)
+            for k in range(ibn)
         ]
 
     # ------------------------------------------------------------------ element-wise and copies
