@@ -4,13 +4,15 @@ Static shapes make every address known at compile time, so the generator lays ou
 DRAM image (packed weights, biases, micro-op kernels, activation buffers; see
 :mod:`tvm_layerfuse.vta.layout`) and emits instructions with absolute element addresses.
 
-A conv (:class:`ConvOp`) is tiled over output rows (``OHt`` rows) and output-channel blocks
-(``obc`` blocks) so that its input rows with halo, its weights, its accumulators (tile,
-residual, bias) and its micro-ops fit the on-chip buffers; the loop order (channel chunks
-outside or row tiles outside) is the one that moves fewer DRAM bytes. (``ibc`` input blocks per reduction chunk when even one output block with all input blocks
-does not fit: the accumulators then stay on chip across the chunks). Each step::
+A conv (:class:`ConvOp`) is tiled over output rows (``oht`` rows) and output-channel blocks
+(``obc`` blocks) so that its input rows with halo, its weights, its accumulators (tile and
+per-channel vectors) and its micro-ops fit the on-chip buffers; the loop order (channel
+chunks outside or row tiles outside) is the one that moves fewer DRAM bytes. When even one
+output block with all input blocks does not fit, the reduction is split into chunks of
+``ibc`` input blocks, the accumulators staying on chip across them. Each step::
 
-    load:    LOAD wgt (when the chunk changes)   LOAD inp per input block (y/x padding by the DMA)
+    load:    LOAD wgt (when the chunk changes)   LOAD inp per input block (y/x padding by the DMA;
+             one 2D transfer when whole blocks are loaded)
     compute: LOAD uop (once)
              LOAD acc [bias | shift | residual shift] vectors (when the chunk changes)
              GEMM reset, or LOAD acc8 residual + ALU SHR (align, per channel)
@@ -19,11 +21,12 @@ does not fit: the accumulators then stay on chip across the chunks). Each step::
     store:   STORE per output segment (a horizontal merge's branches, concat offsets)
 
 Dependency tokens follow one protocol per step ``t``: the last load pushes load->compute and
-the first compute instruction pops it; the compute step pops store->compute (the previous
-step's store has read the accumulators) and, when step ``t+1`` loads, its last GEMM pushes
-compute->load; the last compute instruction pushes compute->store, popped by the first
-store, whose last instruction pushes store->compute; FINISH pops the last one. Every pushed
-token is popped (the simulator checks this and every cross-module hazard).
+the first compute instruction pops it; when step ``t+1`` loads, step ``t``'s last GEMM pushes
+compute->load (its inputs and weights may be overwritten); a step that stores pushes
+compute->store from its last compute instruction, popped by its first store, whose last
+instruction pushes store->compute, popped by the next compute step (the accumulators may be
+overwritten) or by FINISH. Every pushed token is popped (the simulator checks this and every
+cross-module hazard).
 
 Element-wise programs (the unfused residual add / activation) and concat copies run on
 the compute and store modules only: ``LOAD acc8`` -> ALU -> ``STORE``.
