@@ -35,6 +35,7 @@ and a micro-op exactly 32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
 
@@ -150,8 +151,9 @@ class Uop:
 
 
 # ---------------------------------------------------------------------- layouts
+@functools.lru_cache(maxsize=16)
 def layouts(cfg: VTAConfig = DEFAULT) -> dict[str, list[tuple[str, int, int]]]:
-    """Bit placement of every instruction kind and of the micro-op for ``cfg``."""
+    """Bit placement of every instruction kind and of the micro-op for ``cfg`` (cached; do not mutate)."""
     return field_layouts(cfg)
 
 

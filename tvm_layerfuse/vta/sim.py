@@ -393,13 +393,21 @@ class Simulator:
         self._inp_r[src] = now
         self._wgt_r[wgt] = now
         self._acc_w[dst] = now
-        # int8 products summed in float32 are exact: |sum| <= block * 128 * 128 < 2**24
+        # int8 dot products in float32 are exact (|dot| <= block * 128 * 128 < 2**24), and their
+        # float64 sums per accumulator too (< 2**53); adding them mod 2**32 equals the hardware's
+        # step-by-step wrapping int32 additions (addition mod 2**32 is associative)
+        block = cfg.block
+        total = np.zeros(cfg.acc_depth * block, np.float64)
+        lanes = np.arange(block)
         for s in range(0, dst.size, _GATHER_CHUNK):
             d, x, w = dst[s : s + _GATHER_CHUNK], src[s : s + _GATHER_CHUNK], wgt[s : s + _GATHER_CHUNK]
             a = self.inp[x].astype(np.float32)  # [n, block_in]
             b = self.wgt[w].astype(np.float32)  # [n, block_out, block_in]
-            prod = np.einsum("nk,njk->nj", a, b).astype(np.int32)  # [n, block_out]
-            np.add.at(self.acc, d, prod)  # int32, wraps like the hardware
+            prod = np.matmul(b, a[:, :, None])[:, :, 0]  # [n, block_out]
+            total += np.bincount((d[:, None] * block + lanes).reshape(-1), weights=prod.reshape(-1), minlength=total.size)
+        touched = np.unique(dst)
+        summed = total.reshape(cfg.acc_depth, block)[touched].astype(np.int64)
+        self.acc[touched] = (self.acc[touched].astype(np.int64) + summed).astype(np.int32)  # wraps like the hardware
 
     def _alu(self, k: int, insn: isa.AluInsn, vc: list[int], now: int) -> None:
         cfg = self.cfg
