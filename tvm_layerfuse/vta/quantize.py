@@ -163,13 +163,9 @@ def calibrate(graph: VTAGraph, samples: Sequence[Mapping[str, np.ndarray]], *, s
             m = float(np.max(np.abs(v))) if v.size else 0.0
             max_abs[name] = max(max_abs.get(name, 0.0), m)
     frac = {name: frac_bits(m) for name, m in max_abs.items()}
-    for g in share_groups(graph) + (share_groups(share_from) if share_from is not None else []):
-        f = min(frac[n] for n in g if n in frac)
-        for n in g:
-            frac[n] = f
-    # groups may chain through shared members: repeat until stable
-    changed = True
+    # shared scales: the smallest f of each group; groups may chain through shared members
     groups = share_groups(graph) + (share_groups(share_from) if share_from is not None else [])
+    changed = True
     while changed:
         changed = False
         for g in groups:
