@@ -34,6 +34,9 @@ CASES = {
     "unknown VTA device": lambda tmp: open_device("fpga", DEFAULT),
     "not an artifact": lambda tmp: load_vta(tmp),
     "batch > 1": lambda tmp: pipeline.build(zoo.resnet18(batch=2, width=0.25)),
+    "calibration input of another shape": lambda tmp: pipeline.build(
+        zoo.resnet18(width=0.25), calibration=[{"input": np.zeros((1, 3, 8, 8), np.float32)}]),
+    "calibration input missing a model input": lambda tmp: pipeline.build(zoo.resnet18(width=0.25), calibration=[{"x": 0}]),
 }
 
 

@@ -70,9 +70,26 @@ def build(
     split = unfuse(fused)
     prepare(split, cfg)
     samples = list(calibration) if calibration else random_samples(fused, n_calibration, seed=seed)
+    _check_samples(fused, samples)
     q = calibrate(split, samples, share_from=fused)
     log.info("VTA: calibrated %d tensors on %d inputs", len(q.frac), len(samples))
     return VTABuild(compile_graph(fused, q, cfg), compile_graph(split, q, cfg) if baseline else None, q, samples)
+
+
+def _check_samples(graph: VTAGraph, samples: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """Calibration inputs must name every graph input with its compiled shape."""
+    from ..errors import InputError
+
+    for k, feeds in enumerate(samples):
+        if not isinstance(feeds, Mapping):
+            raise InputError(f"calibration input {k} is a {type(feeds).__name__}; expected a dict of input name -> array - "
+                             "pass [{'input': array}, ...]")
+        for name in graph.inputs:
+            if name not in feeds:
+                raise InputError(f"calibration input {k} lacks {name!r}; expected the inputs {list(graph.inputs)} - add it")
+            got, want = list(np.shape(feeds[name])), list(graph.shapes[name])
+            if got != want:
+                raise InputError(f"calibration input {k}: {name!r} has shape {got}; expected {want} - resize it")
 
 
 def accuracy(b: VTABuild, onnx_model, inputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, float]:
