@@ -172,7 +172,7 @@ def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig)
             lim_acc = (cfg.acc_depth - 3 * obc) // (obc * ow)  # tile + bias, shift, residual-shift vectors
             lim_inp = ((cfg.inp_depth // (ibc * wt)) - kh) // s + 1 if cfg.inp_depth // (ibc * wt) >= kh else 0
             lim_uop = (cfg.uop_depth - 4) // ((2 if split else 1) * ibc * kk)  # a second kernel for the last chunk
-            oht = min(oh, lim_acc, lim_inp, lim_uop, (1 << isa.LOOP_ITER_WIDTH) // max(ow, 1))
+            oht = min(oh, lim_acc, lim_inp, lim_uop, ((1 << isa.LOOP_ITER_WIDTH) - 1) // max(ow, 1))  # iter_in field
             if oht < 1:
                 continue
             tiles, chunks = -(-oh // oht), -(-ob // obc)
@@ -291,7 +291,7 @@ def _blocks_dma(opcode: int, mem: int, dram: list[int], sram0: int, sram_stride:
     out, k = [], 0
     while k < len(dram):
         run = 1
-        if sram_stride == n:
+        if sram_stride == n and dram_stride < (1 << 16):  # x_stride is a 16-bit field
             while k + run < len(dram) and dram[k + run] == dram[k] + run * dram_stride:
                 run += 1
         if run > 1:
