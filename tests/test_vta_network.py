@@ -146,3 +146,18 @@ def test_zoo_networks_bit_exact_and_fusion_pays(name):
     g = pipeline.gain(b, feeds)
     assert g["fused"]["dram_nbytes"] < g["unfused"]["dram_nbytes"]
     assert g["fused"]["insn_count"] < g["unfused"]["insn_count"]
+
+
+@pytest.mark.parametrize("name", ["resnet", "inception"])
+def test_vta_ops_in_float_match_onnxruntime(name, request):
+    """The lowering's algebra (folded weights, merged branches, epilogues, unfused split) before
+    any quantization: float64 execution of both forms vs onnxruntime."""
+    from tvm_layerfuse.testing.checks import run_onnxruntime
+    from tvm_layerfuse.vta.quantize import run_float
+
+    model, b = request.getfixturevalue(name)
+    for feeds in random_samples(b.graph, 2, seed=31):
+        (ref,) = run_onnxruntime(model, feeds)
+        for graph in (b.fused.graph, b.unfused.graph):
+            got = run_float(graph, feeds)["output"]
+            assert np.max(np.abs(got - ref)) <= 1e-4 * np.max(np.abs(ref))
