@@ -161,3 +161,22 @@ def test_vta_ops_in_float_match_onnxruntime(name, request):
         for graph in (b.fused.graph, b.unfused.graph):
             got = run_float(graph, feeds)["output"]
             assert np.max(np.abs(got - ref)) <= 1e-4 * np.max(np.abs(ref))
+
+
+def test_activation_before_residual_runs_its_own_layers_on_the_host():
+    """Conv -> ReLU -> Add(x): VTA's epilogue adds before activating, so the host runs the group
+    layer by layer (in float: the onnxruntime result), never the reordered algebra."""
+    from tvm_layerfuse.testing._builder import NetBuilder
+    from tvm_layerfuse.testing.checks import run_onnxruntime
+    from tvm_layerfuse.vta.quantize import run_float
+
+    nb = NetBuilder("act_then_add", seed=0, opset=13, bn="separate", clip="inputs", quirks=False)
+    x = nb.input("input", (1, 16, 8, 8))
+    model = nb.build({"output": nb.add(nb.relu(nb.conv_bn(x, 16, 3, pad=1)), x)})
+    b = pipeline.build(model, n_calibration=1)
+    (row,) = b.placement()
+    assert row["where"] == "host" and row["reason"] == "an activation before the residual add"
+    feeds = random_samples(b.graph, 1, seed=1)[0]
+    (ref,) = run_onnxruntime(model, feeds)
+    assert np.max(np.abs(run_float(b.graph, feeds)["output"] - ref)) <= 1e-4 * np.max(np.abs(ref))
+    np.testing.assert_array_equal(b.run(feeds).outputs["output"], reference(b.graph, b.quantization, feeds)["output"])

@@ -232,9 +232,16 @@ def _conv_op(first: TopologyGraph, second: TopologyGraph, layer: Layer) -> Op:
         reason = f"{weight.shape[1]} input channels, fewer than {MIN_VTA_IN_CHANNELS} (like the RGB stem, too little work for the GEMM block)"
     if reason is None and max(op.pads) > 15:
         reason = f"padding {max(op.pads)} exceeds the 4-bit pad field of VTA's LOAD"
+    if reason is not None and (seen_act and op.residual and _act_before_residual(fused) or _needs_members(fused)):
+        return _host(first, layer, reason)  # the ConvOp's float form (conv, add, acts) would not be this layer
     if reason is not None:
-        return _host(first, layer, reason) if _needs_members(fused) else _as_host_conv(op, reason)
+        return _as_host_conv(op, reason)
     return op
+
+
+def _act_before_residual(fused: dict) -> bool:
+    roles = [e["role"] for e in fused.get("epilogue", []) if not e.get("folded")]
+    return "residual" in roles and "activation" in roles and roles.index("activation") < roles.index("residual")
 
 
 def _needs_members(fused: dict) -> bool:
