@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .errors import InputError, LayerfuseError, UsageError
+from ..errors import InputError, LayerfuseError, UsageError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".webp"}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -164,7 +164,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_artifact(args: argparse.Namespace, artifact_dir: Path, *, say=print) -> int:
-    from .runtime import load
+    from .loader import load
 
     rt = load(artifact_dir, device=args.device)
     inputs = load_inputs(rt.inputs, args.input, seed=args.seed, mean=args.mean, std=args.std)

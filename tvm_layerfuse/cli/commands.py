@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import __version__
-from .errors import LayerfuseError, UsageError
+from .. import __version__
+from ..errors import LayerfuseError, UsageError
 
 log = logging.getLogger("tvm_layerfuse")
 
@@ -49,7 +49,7 @@ def _say(args: argparse.Namespace, message: str) -> None:
 
 
 def _model_arg(value: Optional[str]) -> Path:
-    from .models import default_model
+    from ..models import default_model
 
     return Path(value) if value else default_model()
 
@@ -66,22 +66,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .planner import plan
-    from .report import plan_text
+    from ..planner import plan
+    from ..report import plan_text
 
     model = _model_arg(args.model)
     result = plan(model, input_shapes=parse_input_shapes(args.input_shape))
     if args.dot:
-        from .dot import write_dot
+        from ..dot import write_dot
 
         _say(args, f"wrote {write_dot(result, Path(args.dot))}")
     if args.svg:
-        from .dot import write_svg
+        from ..dot import write_svg
 
         _say(args, f"wrote {write_svg(result, Path(args.svg))}")
     compiled = None
     if args.compile:
-        from .compile_report import compare
+        from ..compile.report import compare
 
         compiled = compare(model, plan=result, input_shapes=parse_input_shapes(args.input_shape))
     if args.json:
@@ -93,7 +93,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(plan_text(result, graphs=not args.plan_only) + "\n")
         if compiled is not None:
-            from .compile_report import text
+            from ..compile.report import text
 
             sys.stdout.write("\n" + text(compiled) + "\n")
     return 0
@@ -109,7 +109,7 @@ def _verbosity_parent() -> argparse.ArgumentParser:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .build import compile_model
+    from ..compile.build import compile_model
 
     model = _model_arg(args.model)
     out = Path(args.output) if args.output else Path(f"{model.stem}.{args.target}{'.' + args.arch if args.arch else ''}")
@@ -125,7 +125,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     )
     _say(args, f"wrote artifact {out}")
     if not args.quiet:
-        from .artifact import read_manifest
+        from ..runtime.artifact import read_manifest
 
         fusion = read_manifest(out)["fusion"]
         if fusion.get("plan"):
@@ -144,13 +144,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .runner import run_artifact
+    from ..runtime.io import run_artifact
 
     return run_artifact(args, Path(args.artifact), say=lambda m: _say(args, m))
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
-    from .bundle import make_bundle, size_of
+    from ..deploy.bundle import make_bundle, size_of
 
     out = make_bundle(Path(args.artifact), Path(args.output), python=args.python, force=args.force)
     sizes = size_of(out)
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     p.set_defaults(func=cmd_compile)
 
-    from .runner import add_run_arguments
+    from ..runtime.io import add_run_arguments
 
     p = sub.add_parser("run", parents=[_verbosity_parent()], help="run an artifact on inputs with the TVM runtime")
     p.add_argument("artifact", help="artifact directory written by compile")
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing bundle directory")
     p.set_defaults(func=cmd_bundle)
 
-    from .rpc import add_deploy_parser
+    from ..deploy.client import add_deploy_parser
 
     add_deploy_parser(sub, parents=[_verbosity_parent()])
     return parser

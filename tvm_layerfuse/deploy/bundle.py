@@ -31,8 +31,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from . import artifact
-from .errors import BuildError, UsageError
+from ..runtime import artifact
+from ..errors import BuildError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,9 @@ PRUNE = (
     "tvm_ffi/cython",
 )
 PACKAGES = ("tvm", "tvm_ffi", "ml_dtypes", "typing_extensions", "cloudpickle", "psutil")
-LOADER = ("__init__.py", "errors.py", "artifact.py", "runtime.py", "runner.py")
+# The tvm_layerfuse files a bundle holds: the package root and the runtime package.
+LOADER = ("__init__.py", "errors.py")
+RUNTIME_PACKAGE = "runtime"
 WHEELS = {
     "tvm": "apache-tvm=={tvm}",
     "tvm_ffi": "apache-tvm-ffi=={ffi}",
@@ -74,7 +76,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
 sys.path.insert(0, os.path.join(HERE, "site"))
 
-from tvm_layerfuse.runner import bundle_main  # noqa: E402
+from tvm_layerfuse.runtime.io import bundle_main  # noqa: E402
 
 sys.exit(bundle_main(artifact_dir=os.path.join(HERE, "artifact")))
 '''
@@ -133,9 +135,10 @@ def make_bundle(
         _prune(site)
         pkg = site / "tvm_layerfuse"
         pkg.mkdir()
-        here = Path(__file__).parent
+        here = Path(__file__).resolve().parents[1]
         for name in LOADER:
             shutil.copy2(here / name, pkg / name)
+        shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copytree(artifact_dir, tmp / "artifact", ignore=shutil.ignore_patterns(".*"))
         _write(tmp / "run.py", RUN_PY, executable=True)
         _write(tmp / "rpc_server.sh", RPC_SH, executable=True)

@@ -29,8 +29,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import __version__, artifact
-from .errors import BuildError
+from .. import __version__
+from ..runtime import artifact
+from ..errors import BuildError
 from .presets import TargetSpec, check_toolchain, resolve
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def compile_model(
     check_toolchain(spec)
     from tqdm import tqdm
 
-    from .planner import plan as make_plan
+    from ..planner import plan as make_plan
 
     timings: dict[str, float] = {}
     with tqdm(total=len(STEPS), disable=not progress, unit="step", leave=False) as bar:
@@ -98,8 +99,8 @@ def compile_model(
 # ---------------------------------------------------------------------- stages
 def relax_module(model: Any, *, plan: Any, fuse: bool, input_shapes=None):
     """(Relax module with weights as parameters, weight values by name, fusion report)."""
-    from .relax.importer import import_onnx
-    from .relax.pipeline import fuse_with_report
+    from ..relax.importer import import_onnx
+    from ..relax.pipeline import fuse_with_report
 
     if fuse:
         result = fuse_with_report(model, plan=plan, input_shapes=input_shapes, bind=False)
@@ -177,7 +178,7 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
     import tvm
     from tvm import relax
 
-    from .lowering import layerfuse_pipeline
+    from ..lowering import layerfuse_pipeline
 
     tgt = spec.tvm_target()
     try:
@@ -227,7 +228,7 @@ def _export(ex, path: Path, spec: TargetSpec) -> None:
 def _kernel_count(ex) -> Optional[dict[str, Any]]:
     """Kernel launches and concatenation copies left in the executable (informative only)."""
     try:
-        from .lowering import concat_report
+        from ..lowering import concat_report
 
         return concat_report(ex)
     except Exception as e:  # the report must never fail a build

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence, Union
 import numpy as np
 
 from . import artifact
-from .errors import ArtifactError, DeviceError, InputError
+from ..errors import ArtifactError, DeviceError, InputError
 
 log = logging.getLogger(__name__)
 
