@@ -81,7 +81,7 @@ def cli_main(monkeypatch):
         parser = original()
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         if "deploy" not in sub.choices:
-            cli.add_deploy_parser(sub, parents=[cli._verbosity_parent()])
+            cli.add_deploy_parser(sub, parents=[cli.verbosity_parent()])
         return parser
 
     monkeypatch.setattr(cli, "build_parser", build_parser)

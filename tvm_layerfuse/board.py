@@ -4,6 +4,7 @@ The module lives in :mod:`tvm_layerfuse.deploy.board`; this path keeps the comma
 import ``from tvm_layerfuse import board`` working.
 """
 
+from .cli.board import main
 from .deploy.board import (
     ARM64_ENV,
     LOOPBACK,
@@ -12,7 +13,6 @@ from .deploy.board import (
     arm64_board,
     arm64_board_dir,
     free_port,
-    main,
     start_arm64_board,
     start_server,
     start_tracker,
