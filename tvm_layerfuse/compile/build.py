@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -49,8 +49,11 @@ def compile_model(
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     force: bool = False,
     progress: bool = True,
+    on_commit: Optional[Callable[[], None]] = None,
 ) -> Path:
-    """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``."""
+    """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``.
+
+    ``on_commit()`` runs the instant the artifact is in place (see :func:`artifact.write_artifact`)."""
     spec = resolve(target, arch=arch)
     check_toolchain(spec)
     from tqdm import tqdm
@@ -91,7 +94,7 @@ def compile_model(
                 np.savez(tmp / artifact.PARAMS, **dict(zip(names, weights)))
                 return _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
 
-            artifact.write_artifact(Path(out), fill, overwrite=force)
+            artifact.write_artifact(Path(out), fill, overwrite=force, on_commit=on_commit)
     log.info("compiled %s for %s in %s", p.model, spec.preset, timings)
     return Path(out)
 
