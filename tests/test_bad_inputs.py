@@ -29,8 +29,8 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-import re
 import os
+import re
 import resource
 import shutil
 import signal

@@ -15,10 +15,9 @@ import onnx
 import pytest
 
 from graphs import rel_err, run_ort
-from tvm_layerfuse.runtime import artifact
 from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError
-from tvm_layerfuse.runtime import load
+from tvm_layerfuse.runtime import artifact, load
 from tvm_layerfuse.testing import zoo
 
 RTOL = 1e-4

@@ -30,8 +30,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from .. import __version__
-from ..runtime import artifact
 from ..errors import BuildError, first_line
+from ..runtime import artifact
 from .presets import TargetSpec, check_toolchain, resolve
 
 log = logging.getLogger(__name__)

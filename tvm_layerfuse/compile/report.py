@@ -20,7 +20,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-
 _MOVEMENT = re.compile(r"(fused|concatenate|split|strided|slice|reshape|squeeze|expand|dims|transpose|take)\d*")
 
 

@@ -31,8 +31,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from ..runtime import artifact
 from ..errors import BuildError, UsageError
+from ..runtime import artifact
 
 log = logging.getLogger(__name__)
 
