@@ -32,6 +32,7 @@ import numpy as np
 from .. import __version__
 from ..errors import BuildError, first_line
 from ..runtime import artifact
+from ..runtime.io import savez
 from .presets import TargetSpec, check_toolchain, resolve
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def compile_model(
 
             def fill(tmp: Path) -> dict[str, Any]:
                 shutil.copyfile(library, tmp / artifact.LIBRARY)
-                np.savez(tmp / artifact.PARAMS, **dict(zip(names, weights)))
+                savez(tmp / artifact.PARAMS, dict(zip(names, weights)))
                 return _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
 
             artifact.write_artifact(Path(out), fill, overwrite=force, on_commit=on_commit)
@@ -107,7 +108,7 @@ def relax_module(model: Any, *, plan: Any, fuse: bool, input_shapes=None):
 
     if fuse:
         result = fuse_with_report(model, plan=plan, input_shapes=input_shapes, bind=False)
-        return result.mod, result.params, _jsonable(result.report)
+        return result.mod, result.params, result.report.to_dict()
     mod, params, _ = import_onnx(model, input_shapes=input_shapes)
     return mod, params, {}
 
@@ -267,15 +268,3 @@ def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model)
     }
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple, set)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    if hasattr(v, "to_dict"):
-        return _jsonable(v.to_dict())
-    if hasattr(v, "__dict__"):
-        return _jsonable(vars(v))
-    return str(v)

@@ -65,6 +65,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..report import Report
 from . import _tir
 from .split_outputs import plain_call_tir, rewrite_relax_functions
 
@@ -75,7 +76,7 @@ __all__ = ["InPlaceConcat", "InPlaceReport", "region_layout"]
 
 # ----------------------------------------------------------------------------- report
 @dataclass
-class InPlaceReport:
+class InPlaceReport(Report):
     """What :class:`InPlaceConcat` decided on its last run.
 
     ``concats``: one dict per concat kernel found, in binding order, with ``status`` one of

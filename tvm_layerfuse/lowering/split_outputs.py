@@ -36,6 +36,7 @@ import tvm
 from tvm import relax
 
 from ..relax._ir import is_primitive, op_name
+from ..report import Report
 from . import _tir
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ _CALL_TIR = "relax.call_tir"
 
 
 @dataclass
-class SplitReport:
+class SplitReport(Report):
     """What :class:`SplitOutputBuffers` did on its last run."""
 
     rewritten: list[dict] = field(default_factory=list)  # {"function", "producer", "split", "parts"}

@@ -164,6 +164,17 @@ def verify(path: Path, manifest: Optional[dict[str, Any]] = None) -> dict[str, A
     return manifest
 
 
+def output_parent(out: Path, *, overwrite: bool) -> Path:
+    """The directory that will hold the output directory ``out`` (``-o``), checked: it exists,
+    and ``out`` does not unless ``overwrite`` (``--force``)."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.exists():  # a regular file there: writing into it says so (ENOTDIR)
+        raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another -o")
+    if out.exists() and not overwrite:
+        raise UsageError(f"output {str(out)!r} already exists; remove it or pass --force")
+    return parent
+
+
 def write_artifact(
     out: Path,
     fill: Callable[[Path], dict[str, Any]],
@@ -179,11 +190,7 @@ def write_artifact(
     ``out``; ``on_commit()`` runs right after it (see :func:`_commit` for Ctrl-C then).
     """
     out = Path(out)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.exists():
-        raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another -o")
-    if out.exists() and not overwrite:
-        raise UsageError(f"output {str(out)!r} already exists; remove it or pass --force")
+    parent = output_parent(out, overwrite=overwrite)
     if out.exists() and not (out / MANIFEST).exists():
         raise UsageError(f"output {str(out)!r} exists and is not an artifact; refusing to replace it - choose another -o")
     try:
