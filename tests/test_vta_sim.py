@@ -199,7 +199,8 @@ def test_finish_must_wait_for_store_and_tokens_balance():
 def test_out_of_range_access_is_an_error():
     dram = DRAM(1024)
     with pytest.raises(VTAProgramError, match="inp buffer holds 2048"):
-        Simulator(DEFAULT, dram).run([isa.MemInsn(memory_type=isa.MEM_INP, sram_base=2040, y_size=1, x_size=16, x_stride=16), isa.FinishInsn()])
+        load = isa.MemInsn(memory_type=isa.MEM_INP, sram_base=2040, y_size=1, x_size=16, x_stride=16)
+        Simulator(DEFAULT, dram).run([load, isa.FinishInsn()])
 
 
 def test_relocated_program_computes_the_same_at_another_base():

@@ -392,7 +392,8 @@ class Compiler:
         # fewer rows uses a prefix of it)
         u_tile, u_bias, u_shift, u_rshift = 0, 1, 2, 3
         red = [(b0, min(t.ibc, t.ib - b0)) for b0 in range(0, t.ib, t.ibc)]  # reduction chunks of input blocks
-        dst, src, wgt, kernel_at = [np.array([0, 0, 0, 0])], [np.array([0, bias_base, shift_base, rshift_base])], [np.zeros(4, np.int64)], {}
+        dst, src = [np.array([0, 0, 0, 0])], [np.array([0, bias_base, shift_base, rshift_base])]
+        wgt, kernel_at = [np.zeros(4, np.int64)], {}
         pos = 4
         for ibn in sorted({n for _, n in red}, reverse=True):
             oy, ib, i, j = np.meshgrid(np.arange(t.oht), np.arange(ibn), np.arange(t.kh), np.arange(t.kw), indexing="ij")

@@ -229,7 +229,9 @@ def _conv_op(first: TopologyGraph, second: TopologyGraph, layer: Layer) -> Op:
         else:
             reason = f"epilogue {e['op']} ({e['role']}) has no VTA ALU form"
     if reason is None and weight.shape[1] < MIN_VTA_IN_CHANNELS:
-        reason = f"{weight.shape[1]} input channels, fewer than {MIN_VTA_IN_CHANNELS} (like the RGB stem, too little work for the GEMM block)"
+        reason = (
+            f"{weight.shape[1]} input channels, fewer than {MIN_VTA_IN_CHANNELS} (like the RGB stem, too little work for the GEMM block)"
+        )
     if reason is None and max(op.pads) > 15:
         reason = f"padding {max(op.pads)} exceeds the 4-bit pad field of VTA's LOAD"
     if reason is not None and (seen_act and op.residual and _act_before_residual(fused) or _needs_members(fused)):

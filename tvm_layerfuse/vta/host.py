@@ -9,14 +9,11 @@ simulator path and the numpy int8 reference share their host part exactly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..errors import BuildError
-
-if TYPE_CHECKING:  # the runtime side never imports the topology package (it reads ONNX)
-    from ..topology.graph import Layer, TopologyGraph
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, *, strides: Sequence[int], pads: Sequence[int],
@@ -106,7 +103,10 @@ def _conv(ins, attrs):
     rank = w.ndim - 2
     pads = attrs.get("pads", [0] * (2 * rank))
     if attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "", "VALID"):
-        raise BuildError(f"Conv with auto_pad={attrs['auto_pad']} has no host implementation in the VTA flow; expected explicit pads - re-export with pads")
+        raise BuildError(
+            f"Conv with auto_pad={attrs['auto_pad']} has no host implementation in the VTA flow; "
+            "expected explicit pads - re-export with pads"
+        )
     if rank != 2:
         raise BuildError(f"a {rank}-D Conv has no host implementation in the VTA flow; expected 2-D - use the cpu target")
     return conv2d(ins[0], w, ins[2] if len(ins) > 2 else None, strides=attrs.get("strides", [1, 1]), pads=pads,
@@ -144,36 +144,6 @@ HOST_OPS: dict[str, Callable[[list, dict[str, Any]], Any]] = {
     "Dropout": lambda ins, a: ins[0],
     "Reshape": _reshape,
 }
-
-
-def run_layer(graph: "TopologyGraph", layer: "Layer", values: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """One first-graph layer in float64 numpy; ``values`` holds its data inputs."""
-    fn = HOST_OPS.get(layer.op_type)
-    if fn is None or layer.domain:
-        raise BuildError(
-            f"layer {layer.name!r} ({layer.op_type}) has no host implementation in the VTA flow; expected one of "
-            f"{', '.join(sorted(HOST_OPS))} - use the cpu target for this model"
-        )
-    ins = []
-    for name in layer.inputs:
-        if not name:
-            ins.append(None)
-        elif graph.is_constant(name):
-            ins.append(np.asarray(graph.tensor(name).value(), dtype=np.float64) if graph.tensor(name).dtype != "int64"
-                       else np.asarray(graph.tensor(name).value()))
-        else:
-            ins.append(values[name])
-    return [run_op(layer.op_type, layer_attrs(layer), ins)]
-
-
-def layer_attrs(layer: "Layer") -> dict[str, Any]:
-    """A layer's attributes as JSON-able values (what a host step stores)."""
-    out = {}
-    for k, v in layer.attrs.items():
-        if k.startswith("_"):
-            continue
-        out[k] = v.tolist() if isinstance(v, np.ndarray) else v
-    return out
 
 
 def run_op(op_type: str, attrs: Mapping[str, Any], ins: list) -> np.ndarray:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -122,24 +122,123 @@ def compile_vta(
     out_dir: Any,
     *,
     config: Any = None,
-    calibration: Optional[Sequence[Mapping[str, np.ndarray]]] = None,
+    calibration: Any = None,
     n_calibration: int = 8,
     seed: int = 0,
+    input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+    force: bool = True,
+    on_commit: Optional[Callable[[], None]] = None,
 ) -> dict[str, Any]:
-    """Compile an ONNX model for VTA into the artifact directory ``out_dir``.
+    """Compile an ONNX model for VTA into the artifact directory ``out_dir`` (atomically, as
+    :func:`tvm_layerfuse.runtime.artifact.write_artifact` writes every target's artifact).
 
     ``config``: a :class:`VTAConfig`, a path to a ``vta_config.json`` or None (VTA's
-    default). ``calibration``: input dicts; None draws ``n_calibration`` seeded random
-    inputs. Returns the report (:func:`report`) of the build, baseline included."""
+    default). ``calibration``: input dicts, or an ``.npz`` file (:func:`read_calibration`);
+    None draws ``n_calibration`` seeded random inputs (with a file: at most
+    ``n_calibration`` of its samples are used). ``force``: replace an existing artifact.
+    Returns the report (:func:`report`) of the build, baseline included."""
     from pathlib import Path
 
+    from ..runtime import artifact
     from .config import load_config
     from .executor import to_module
 
     cfg = config if isinstance(config, VTAConfig) else (load_config(config) if config is not None else DEFAULT)
-    b = build(model_path, cfg=cfg, calibration=calibration, n_calibration=n_calibration, seed=seed, baseline=True)
-    to_module(b.fused).save(Path(out_dir))
-    return report(b)
+    p = model_path if hasattr(model_path, "second") else make_plan(model_path, input_shapes=input_shapes)
+    if isinstance(calibration, (str, Path)):
+        calibration = read_calibration(calibration, {n: p.first.tensor(n).shape for n in p.first.inputs}, count=n_calibration)
+    b = build(p, cfg=cfg, calibration=calibration, n_calibration=n_calibration, seed=seed, baseline=True)
+    rep = report(b)
+    module = to_module(b.fused)
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        module.write_files(tmp)
+        return _manifest(p, b, rep, model_path)
+
+    artifact.write_artifact(Path(out_dir), fill, overwrite=force, on_commit=on_commit)
+    return rep
+
+
+def _manifest(p: Any, b: VTABuild, rep: Mapping[str, Any], model: Any) -> dict[str, Any]:
+    """The artifact manifest every target shares (``runtime.artifact``): the ``library`` is
+    ``vta.json`` (the op sequence: VTA programs and host steps); there is no TVM library."""
+    from pathlib import Path
+
+    from .. import __version__
+    from ..runtime import artifact
+    from .runtime import MANIFEST
+
+    first = p.first
+
+    def io(names):
+        return [{"name": n, "shape": [int(d) for d in first.tensor(n).shape], "dtype": first.tensor(n).dtype} for n in names]
+
+    source = Path(model) if isinstance(model, (str, Path)) else None
+    return {
+        "format": artifact.FORMAT,
+        "format_version": artifact.FORMAT_VERSION,
+        "created_by": f"tvm_layerfuse {__version__}",
+        "model": {"name": p.model, "sha256": artifact.sha256_file(source) if source is not None and source.is_file() else None},
+        "target": {
+            "preset": "vta",
+            "description": "VTA programs (simulator or board) + host steps in numpy",
+            "device": "vta",
+            "machine": None,  # the host steps are numpy: any machine runs them
+            "vta": b.fused.cfg.to_dict(),
+        },
+        "fused": True,
+        "library": MANIFEST,
+        "params": None,
+        "inputs": io(first.inputs),
+        "outputs": io(first.outputs),
+        "fusion": {
+            "plan": p.counts(),
+            "groups": [g.to_dict() for g in p.groups],
+            "refusals": [r.to_dict() for r in p.refusals],
+            "vta": dict(rep),
+        },
+    }
+
+
+def read_calibration(path: Any, shapes: Mapping[str, Sequence[int]], *, count: Optional[int] = None) -> list[dict[str, np.ndarray]]:
+    """Calibration inputs from an ``.npz``: one entry per model input (any one name for a
+    single-input model) holding ``[N, *input_shape]`` (N samples) or ``input_shape`` (one
+    sample). The first ``count`` samples are used."""
+    import zipfile
+    from pathlib import Path
+
+    from ..errors import InputError
+
+    where = f"calibration file {str(path)!r}"
+    if not Path(path).is_file():
+        raise InputError(f"{where} does not exist; expected an .npz with one array per model input - check the path")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if not hasattr(z, "files"):
+                raise InputError(f"{where} holds a single array; expected an .npz with one array per model input - save it with np.savez")
+            data = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise InputError(f"{where} is not a readable .npz ({str(e).splitlines()[0][:120]}); expected arrays saved with np.savez - "
+                         "re-save it") from None
+    names = list(shapes)
+    if len(names) == 1 and len(data) == 1:
+        data = {names[0]: next(iter(data.values()))}
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise InputError(f"{where} lacks {missing[0]!r}; expected arrays named {names} - name them after the model inputs")
+    stacks: dict[str, np.ndarray] = {}
+    for n in names:
+        a, want = np.asarray(data[n]), [int(d) for d in shapes[n]]
+        if list(a.shape) == want:
+            a = a[None]
+        if list(a.shape[1:]) != want or a.shape[0] == 0 or a.dtype.kind not in "biuf":
+            raise InputError(f"{where}: {n!r} has shape {list(a.shape)} ({a.dtype}); expected [N, {', '.join(map(str, want))}] "
+                             "or the input shape itself, numeric - reshape it")
+        stacks[n] = a.astype(np.float32)
+    n_samples = min(len(a) for a in stacks.values())
+    if count is not None:
+        n_samples = min(n_samples, count)
+    return [{n: stacks[n][k] for n in names} for k in range(n_samples)]
 
 
 def report(b: VTABuild, *, seed: int = 100) -> dict[str, Any]:

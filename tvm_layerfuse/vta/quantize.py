@@ -72,7 +72,10 @@ def host_program(graph: VTAGraph, op: Op) -> tuple[list[dict], dict[str, np.ndar
         return steps, {w: op.weight, b: op.bias}
     if isinstance(op, EltwiseOp):
         y = f"{op.name}::y"
-        steps = [{"op": "add", "in": list(op.inputs), "out": y}, {"op": "acts", "in": y, "acts": [vars(a) for a in op.acts], "out": op.output}]
+        steps = [
+            {"op": "add", "in": list(op.inputs), "out": y},
+            {"op": "acts", "in": y, "acts": [vars(a) for a in op.acts], "out": op.output},
+        ]
         return steps, {}
     if isinstance(op, ConcatOp):
         return [{"op": "concat", "in": list(op.inputs), "out": op.output}], {}
@@ -97,7 +100,7 @@ def host_program(graph: VTAGraph, op: Op) -> tuple[list[dict], dict[str, np.ndar
                 f"layer {layer.name!r} ({layer.op_type}) has no host implementation in the VTA flow; expected one of "
                 f"{', '.join(sorted(host.HOST_OPS))} - use the cpu target for this model"
             )
-        steps.append({"op": "layer", "op_type": layer.op_type, "attrs": host.layer_attrs(layer), "in": args, "out": layer.outputs[0]})
+        steps.append({"op": "layer", "op_type": layer.op_type, "attrs": _layer_attrs(layer), "in": args, "out": layer.outputs[0]})
     return steps, consts
 
 
@@ -309,3 +312,8 @@ def random_samples(graph: VTAGraph, n: int, *, seed: int = 0) -> list[dict[str, 
     """``n`` seeded standard-normal inputs (calibration when the user gives none)."""
     rng = np.random.default_rng(seed)
     return [{name: rng.standard_normal(graph.shapes[name]).astype(np.float32) for name in graph.inputs} for _ in range(n)]
+
+
+def _layer_attrs(layer) -> dict:
+    """A layer's attributes as JSON-able values (what a host step stores)."""
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in layer.attrs.items() if not k.startswith("_")}

@@ -41,6 +41,7 @@ from .sim import DRAM, Counters, Simulator
 log = logging.getLogger(__name__)
 
 FORMAT = "tvm_layerfuse.vta/1"
+MANIFEST = "vta.json"
 FILES = ("dram.bin", "programs.npz", "host.npz")
 BOARD_DEVICE_NODES = ("/dev/xlnk", "/dev/udmabuf0", "/dev/vta0")
 
@@ -127,7 +128,9 @@ class VTAModule:
         self.consts = dict(consts)
         self.frac: dict[str, int] = {k: int(v) for k, v in manifest["frac"].items()}
         self.storage = {
-            name: _Storage(Layout(s["channels"], s["blocks"], tuple(Segment(*seg) for seg in s["segments"])), s["elem"], s["height"], s["width"])
+            name: _Storage(
+                Layout(s["channels"], s["blocks"], tuple(Segment(*seg) for seg in s["segments"])), s["elem"], s["height"], s["width"]
+            )
             for name, s in manifest["storage"].items()
         }
         self.inputs: dict[str, list[int]] = {k: list(v) for k, v in manifest["inputs"].items()}
@@ -199,21 +202,30 @@ class VTAModule:
                 raise InputError(f"input {name!r} is missing; expected {sorted(self.inputs)} - pass every model input")
             got = list(np.shape(feeds[name]))
             if got != shape:
-                raise InputError(f"input {name!r} has shape {got}; expected {shape} (what the VTA artifact was compiled for) - resize the input or recompile")
+                raise InputError(
+                    f"input {name!r} has shape {got}; expected {shape} (what the VTA artifact was compiled for) - "
+                    "resize the input or recompile"
+                )
 
     # ------------------------------------------------------------------ files
+    def write_files(self, out_dir: Union[str, Path]) -> None:
+        """Write the artifact's VTA files into the existing directory ``out_dir``."""
+        out = Path(out_dir)
+        (out / "dram.bin").write_bytes(self.image.tobytes())
+        np.savez(out / "programs.npz", **self.streams)
+        np.savez(out / "host.npz", **self.consts)
+        manifest = dict(self.manifest)
+        manifest["sha256"] = {f: _sha256(out / f) for f in FILES}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
     def save(self, out_dir: Union[str, Path]) -> Path:
-        """Write the artifact directory atomically (a temporary directory renamed into place)."""
+        """Write the VTA files alone into ``out_dir`` atomically (a temporary directory renamed
+        into place); ``compile_vta`` writes them inside a full artifact instead."""
         out = Path(out_dir)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            (tmp / "dram.bin").write_bytes(self.image.tobytes())
-            np.savez(tmp / "programs.npz", **self.streams)
-            np.savez(tmp / "host.npz", **self.consts)
-            manifest = dict(self.manifest)
-            manifest["sha256"] = {f: _sha256(tmp / f) for f in FILES}
-            (tmp / "vta.json").write_text(json.dumps(manifest, indent=1))
+            self.write_files(tmp)
             if out.exists():
                 shutil.rmtree(out)
             os.replace(tmp, out)
@@ -230,7 +242,7 @@ def _sha256(path: Path) -> str:
 def load_vta(artifact_dir: Union[str, Path], *, device: Union[str, VTADevice] = "sim") -> VTAModule:
     """Load a VTA artifact written by :func:`tvm_layerfuse.vta.pipeline.compile_vta`."""
     d = Path(artifact_dir)
-    mpath = d / "vta.json"
+    mpath = d / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{str(d)!r} has no vta.json; expected a VTA artifact directory - compile with the vta target")
     try:

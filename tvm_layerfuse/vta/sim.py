@@ -292,7 +292,9 @@ class Simulator:
         mt = insn.memory_type
         kinds = {isa.MEM_INP: "inp", isa.MEM_WGT: "wgt", isa.MEM_ACC: "acc", isa.MEM_UOP: "uop", isa.MEM_ACC_8BIT: "acc"}
         if mt not in kinds:
-            raise VTAProgramError(f"instruction {k} ({isa.describe(insn)}): LOAD into memory type {mt}; expected uop, wgt, inp, acc or acc8")
+            raise VTAProgramError(
+                f"instruction {k} ({isa.describe(insn)}): LOAD into memory type {mt}; expected uop, wgt, inp, acc or acc8"
+            )
         kind = kinds[mt]
         src_eb = cfg.inp_elem_bytes if mt == isa.MEM_ACC_8BIT else cfg.elem_bytes(kind)
         xt = insn.x_size + insn.x_pad_0 + insn.x_pad_1
