@@ -90,7 +90,8 @@ def test_runtime_load_refuses_a_cpu_device_for_a_vta_artifact(compiled):
 def test_inspect_compile_vta_reports_placement_and_bytes(compiled):
     proc = cli("inspect", str(compiled["model"]), "--plan-only", "--compile", "--target", "vta", "--calibration-count", "1")
     assert proc.returncode == 0, proc.stderr
-    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.strip().startswith(("dram_nbytes", "insn_count"))}
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    rows = {w[0]: w[1:] for w in lines if w and w[0] in ("dram_nbytes", "insn_count")}
     unfused, fused = int(rows["dram_nbytes"][0]), int(rows["dram_nbytes"][1])
     assert fused < unfused and int(rows["insn_count"][1]) < int(rows["insn_count"][0])
     assert "  vta   conv" in proc.stdout and "  host  MaxPool" in proc.stdout
