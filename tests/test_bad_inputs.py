@@ -101,7 +101,10 @@ def _write_table():
     if target:
         rows = ["| input | command | message |", "|---|---|---|"]
         rows += [f"| {w} | `{c}` | `{m.replace('|', '/')}` |" for w, c, m in TABLE]
-        Path(target).write_text("\n".join(rows) + "\n")
+        path = Path(target)
+        # the text above the table (docs/bad-inputs.md's introduction) stays as it is
+        head = path.read_text().split(rows[0])[0] if path.is_file() else ""
+        path.write_text(head + "\n".join(rows) + "\n")
 
 
 # ---------------------------------------------------------------------- model files
@@ -684,3 +687,119 @@ def test_nonfinite_note_counts_weights_not_infinite_bounds():
     ]
     m.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32), "w"))
     assert "nonfinite_constants" not in plan(m).first.meta
+
+
+# ---------------------------------------------------------------------- the vta target
+VTA_CONFIGS = {
+    "VTA config value not an integer": json.dumps({"LOG_BLOCK": "4"}),
+    "VTA config value out of range": json.dumps({"LOG_ACC_WIDTH": 4}),
+    "VTA config unknown key": json.dumps({"LOG_BLOK": 4}),
+    "VTA config non-square block": json.dumps({"LOG_BLOCK_IN": 4, "LOG_BLOCK_OUT": 3}),
+    "VTA config buffers too large for the encoding": json.dumps({"LOG_ACC_BUFF_SIZE": 24, "LOG_INP_BUFF_SIZE": 24}),
+    "VTA config not JSON": "{LOG_BLOCK: 4",
+}
+
+
+def _short(text: str, root: Path) -> str:
+    return text.replace(f"{root}/", "")
+
+
+@pytest.fixture(scope="module")
+def vta_model(tmp_path_factory) -> Path:
+    from tvm_layerfuse.testing import zoo
+
+    root = tmp_path_factory.mktemp("vta")
+    onnx.save(zoo.googlenet(blocks=1, width=0.25, image=16, seed=1), root / "g.onnx")
+    onnx.save(zoo.googlenet(blocks=1, width=0.25, image=16, seed=1, batch=2), root / "g_batch2.onnx")
+    return root / "g.onnx"
+
+
+def test_bad_vta_compile_inputs(vta_model):
+    root = vta_model.parent
+    for k, text in enumerate(VTA_CONFIGS.values()):
+        (root / f"cfg{k}.json").write_text(text)
+    x = np.zeros((1, 3, 16, 16), np.float32)
+    np.savez(root / "cal_shape.npz", input=np.zeros((2, 1, 3, 8, 8), np.float32))
+    np.savez(root / "cal_names.npz", a=x, b=x)
+    np.save(root / "cal.npy", x)
+    np.savez(root / "cal.npz", input=x)
+    model, out = str(vta_model), str(root / "out")
+    jobs = {what: ("compile g.onnx --target vta --vta-config cfg.json", ("--vta-config", str(root / f"cfg{k}.json")))
+            for k, what in enumerate(VTA_CONFIGS)}  # fmt: skip
+    jobs.update({
+        "VTA config file missing": ("compile g.onnx --target vta --vta-config missing.json", ("--vta-config", str(root / "missing.json"))),
+        "calibration file missing": ("compile g.onnx --target vta --calibration missing.npz", ("--calibration", str(root / "missing.npz"))),
+        "calibration samples of another shape": ("compile g.onnx --target vta --calibration cal_shape.npz",
+                                                 ("--calibration", str(root / "cal_shape.npz"))),
+        "calibration arrays not named after the inputs": ("compile g.onnx --target vta --calibration cal_names.npz",
+                                                          ("--calibration", str(root / "cal_names.npz"))),
+        "calibration file a single .npy array": ("compile g.onnx --target vta --calibration cal.npy",
+                                                 ("--calibration", str(root / "cal.npy"))),
+        "--calibration-count 0": ("compile g.onnx --target vta --calibration-count 0", ("--calibration-count", "0")),
+        "--no-fuse with the vta target": ("compile g.onnx --target vta --no-fuse", ("--no-fuse",)),
+        "model of batch 2 for VTA": ("compile g_batch2.onnx --target vta", ()),
+    })  # fmt: skip
+    runs = run_all({
+        what: (lambda what=what, extra=extra: cli(
+            "compile", str(root / "g_batch2.onnx") if "batch 2" in what else model, "--target", "vta", "-o", out, *extra))
+        for what, (_, extra) in jobs.items()
+    })  # fmt: skip
+    runs["--vta-config with --target cpu"] = cli("compile", model, "--target", "cpu", "--vta-config", str(root / "cfg0.json"), "-o", out)
+    jobs["--vta-config with --target cpu"] = ("compile g.onnx --target cpu --vta-config cfg.json", ())
+    for what, proc in runs.items():
+        record(what, jobs[what][0], _short(proc.stderr.strip(), root))
+        line = one_error_line(proc)
+        assert "expected" in line and " - " in line or "drop" in line, line
+        nothing_written(root / "out")
+
+
+@pytest.fixture(scope="module")
+def vta_artifact(vta_model) -> Path:
+    out = vta_model.parent / "g.vta"
+    proc = cli("compile", str(vta_model), "--target", "vta", "-o", str(out), "--calibration-count", "1", "-q")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_bad_vta_run_inputs(vta_artifact):
+    root = vta_artifact.parent
+    changed = root / "changed.vta"
+    shutil.copytree(vta_artifact, changed)
+    (changed / "programs.npz").write_bytes(b"x")
+    np.save(root / "small.npy", np.zeros((1, 3, 8, 8), np.float32))
+    cases = {
+        "vta artifact run with --device cpu": ("run g.vta --device cpu", (str(vta_artifact), "--device", "cpu"), "compiled for vta"),
+        "vta artifact run on a board (no VTA here)": ("run g.vta --device board", (str(vta_artifact), "--device", "board"),
+                                                      "no VTA device found"),
+        "vta artifact with a changed program file": ("run changed.vta", (str(changed),), "'programs.npz'"),
+        "--input of another shape (vta artifact)": ("run g.vta --input small.npy", (str(vta_artifact), "--input", str(root / "small.npy")),
+                                                    "has shape [1, 3, 8, 8]"),
+    }  # fmt: skip
+    runs = run_all({what: (lambda args=args: cli("run", *args)) for what, (_, args, _) in cases.items()})
+    for what, (command, _, fragment) in cases.items():
+        record(what, command, _short(runs[what].stderr.strip(), root))
+        one_error_line(runs[what], fragment)
+
+
+def test_bad_vta_library_inputs(vta_model, vta_artifact, tmp_path):
+    """What the Python API of the vta package refuses (each one line, in the same table)."""
+    from tvm_layerfuse.errors import LayerfuseError
+    from tvm_layerfuse.vta import pipeline
+    from tvm_layerfuse.vta.config import DEFAULT
+    from tvm_layerfuse.vta.runtime import load_vta, open_device
+
+    cases = {
+        "unknown VTA device": ("open_device('fpga', cfg)", lambda: open_device("fpga", DEFAULT)),
+        "not a VTA artifact": ("load_vta(DIR)", lambda: load_vta(tmp_path)),
+        "calibration input of another shape": ("build(model, calibration=[{'input': 8x8}])",
+                                               lambda: pipeline.build(vta_model, calibration=[{"input": np.zeros((1, 3, 8, 8))}])),
+        "calibration input missing a model input": ("build(model, calibration=[{'x': 0}])",
+                                                    lambda: pipeline.build(vta_model, calibration=[{"x": 0}])),
+        "input missing (vta module)": ("load_vta(g.vta).run({})", lambda: load_vta(vta_artifact).run({})),
+    }  # fmt: skip
+    for what, (command, fn) in cases.items():
+        with pytest.raises(LayerfuseError) as exc:
+            fn()
+        msg = _short(str(exc.value), tmp_path.parent)
+        assert "\n" not in msg and "expected" in msg and " - " in msg, msg
+        record(what, command, msg)

@@ -213,9 +213,10 @@ def read_calibration(path: Any, shapes: Mapping[str, Sequence[int]], *, count: O
     if not Path(path).is_file():
         raise InputError(f"{where} does not exist; expected an .npz with one array per model input - check the path")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if not hasattr(z, "files"):
-                raise InputError(f"{where} holds a single array; expected an .npz with one array per model input - save it with np.savez")
+        z = np.load(path, allow_pickle=False)
+        if not hasattr(z, "files"):  # an .npy: one array, no names
+            raise InputError(f"{where} holds a single array; expected an .npz with one array per model input - save it with np.savez")
+        with z:
             data = {k: z[k] for k in z.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise InputError(f"{where} is not a readable .npz ({str(e).splitlines()[0][:120]}); expected arrays saved with np.savez - "
