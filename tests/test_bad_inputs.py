@@ -95,12 +95,14 @@ def record(what: str, command: str, proc_or_text, *, note: str = "") -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _write_table():
+def _write_table(tmp_path_factory):
     yield
     target = os.environ.get("LAYERFUSE_BAD_INPUTS_TABLE")
     if target:
+        # a test's temporary directory is left out of the paths: 'TMP/test_x0/out' -> 'out'
+        tmp = re.compile(re.escape(str(tmp_path_factory.getbasetemp())) + r"/[^/]+/")
         rows = ["| input | command | message |", "|---|---|---|"]
-        rows += [f"| {w} | `{c}` | `{m.replace('|', '/')}` |" for w, c, m in TABLE]
+        rows += [f"| {w} | `{c}` | `{tmp.sub('', m).replace('|', '/')}` |" for w, c, m in TABLE]
         path = Path(target)
         # the text above the table (docs/bad-inputs.md's introduction) stays as it is
         head = path.read_text().split(rows[0])[0] if path.is_file() else ""
