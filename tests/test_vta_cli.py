@@ -118,3 +118,21 @@ def test_deploy_to_a_server_without_the_vta_runtime_is_one_line(compiled):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no VTA runtime" in lines[0] and "tvm_layerfuse.vta.rpc_server" in lines[0], proc.stderr
+
+
+def test_bundle_runs_a_vta_artifact_without_the_repository(compiled, tmp_path):
+    """A bundle of a vta artifact carries the VTA runtime (simulator included) and its
+    rpc_server.sh starts the VTA board server."""
+    from tvm_layerfuse.deploy.bundle import make_bundle
+
+    bundle = make_bundle(compiled["art"], tmp_path / "bundle")
+    assert "tvm_layerfuse.vta.rpc_server" in (bundle / "rpc_server.sh").read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TVM"))}
+    proc = subprocess.run(
+        [sys.executable, "-I", str(bundle / "run.py"), "--input", str(compiled["tmp"] / "a.npy"), "--output", str(tmp_path / "y.npz")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "VTA counters:" in proc.stdout
+    with np.load(tmp_path / "y.npz") as y:
+        np.testing.assert_array_equal(y["output"], runtime.load(compiled["art"]).run(compiled["x"]["a"])["output"])
