@@ -748,6 +748,8 @@ def test_bad_vta_compile_inputs(vta_model):
     })  # fmt: skip
     runs["--vta-config with --target cpu"] = cli("compile", model, "--target", "cpu", "--vta-config", str(root / "cfg0.json"), "-o", out)
     jobs["--vta-config with --target cpu"] = ("compile g.onnx --target cpu --vta-config cfg.json", ())
+    runs["inspect --compile for another target"] = cli("inspect", model, "--compile", "--target", "cuda")
+    jobs["inspect --compile for another target"] = ("inspect g.onnx --compile --target cuda", ())
     for what, proc in runs.items():
         record(what, jobs[what][0], _short(proc.stderr.strip(), root))
         line = one_error_line(proc)

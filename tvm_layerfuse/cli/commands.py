@@ -94,6 +94,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     elif args.compile:
         from ..compile.report import compare
 
+        if args.target != "cpu":
+            raise UsageError(f"inspect --compile compares on cpu or vta; found --target {args.target} - use --target cpu or vta")
+
         compiled = compare(model, plan=result, input_shapes=parse_input_shapes(args.input_shape))
     if args.json:
         data = result.to_dict(graphs=not args.plan_only)
