@@ -24,6 +24,11 @@ What happens, in order (every step that waits on the network has a deadline):
    ``set_input``/``invoke_stateful``/``get_outputs`` (safe over RPC for tuple outputs),
    then ``time_evaluator("invoke_stateful")`` for the latency.
 
+A ``vta`` artifact (target device ``vta``) has no library: step 4 uploads its VTA files and
+calls the VTA runtime that the board's server registers (``python -m
+tvm_layerfuse.vta.rpc_server``; see :mod:`tvm_layerfuse.vta.rpc_server`); the result also holds
+VTA's counters. A server without that runtime is refused before anything runs.
+
 TVM's RPC client is C++ and blocks without a deadline (connect, every call), so steps
 3-4 run in a worker subprocess (``python -c ... _worker_main``, runtime-only TVM) that
 reports each step on a pipe; this process enforces the deadline of each step and kills
