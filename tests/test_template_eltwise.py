@@ -28,7 +28,7 @@ def test_resnet_basic_block_moves_add_and_relu_into_conv():
     }
     layer = p.second.layer("c2")
     assert layer.inputs[-1] == x1
-    assert [e["op"] for e in layer.fused["epilogue"]] == ["BatchNormalization", "Add", "Relu"]
+    assert [e.op for e in layer.fused.epilogue] == ["BatchNormalization", "Add", "Relu"]
     assert len(p.second) == 3  # stem, c1, c2 (+bn2 + res + relu)
 
 
