@@ -31,6 +31,7 @@ import numpy as np
 from ..onnx_realize import fold_affine
 from ..planner import FusionPlan
 from ..templates.ops import conv_params
+from ..topology.facts import LayerFacts
 from ..topology.graph import Layer, TopologyGraph
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ def lower_plan(plan: FusionPlan) -> VTAGraph:
         if layer.op_type == "Conv" and not layer.domain:
             ops.append(_conv_op(first, second, layer))
         elif layer.op_type == "Concat" and int(layer.attrs.get("axis", 1)) in (1, -3) and _rank(second, layer.outputs[0]) == 4:
-            ops.append(ConcatOp(layer.name, list(layer.inputs), layer.outputs[0], in_place=bool(layer.fused.get("in_place"))))
+            ops.append(ConcatOp(layer.name, list(layer.inputs), layer.outputs[0], in_place=layer.fused.in_place))
         else:
             ops.append(_host(first, layer, f"{layer.op_type} runs on the host"))
     shapes = {name: tuple(int(d) for d in t.shape) for name, t in second.tensors.items() if not t.constant and t.known_shape}
@@ -186,21 +187,21 @@ def _host(first: TopologyGraph, layer: Layer, reason: str) -> HostOp:
 
 
 def _conv_op(first: TopologyGraph, second: TopologyGraph, layer: Layer) -> Op:
-    fused = layer.fused or {}
-    if fused.get("prologue"):
+    fused = layer.fused
+    if fused.prologue:
         return _host(first, layer, "a pre-activation prologue (BatchNorm/ReLU before the conv) is not run on VTA")
     params = conv_params(second, layer)
     if len(params["kernel_shape"] or []) != 2 or not isinstance(params["pads"], list):
         return _host(first, layer, "not a 2-D conv with explicit pads")
     if params["group"] != 1 or params["dilations"] != [1, 1]:
         return _host(first, layer, "grouped or dilated conv (VTA's GEMM core runs dense convs)")
-    if "split" in fused:
+    if fused.split:
         ws, bs, outs, c = [], [], [], 0
-        for s in fused["split"]:
-            w, b = _weights(first, s["branch"], fused["branches"][s["branch"]])
+        for s in fused.split:
+            w, b = _weights(first, s.branch, fused.branches[s.branch])
             ws.append(w)
             bs.append(b)
-            outs.append(OutSeg(s["output"], c, c + w.shape[0]))
+            outs.append(OutSeg(s.output, c, c + w.shape[0]))
             c += w.shape[0]
         weight, bias = np.concatenate(ws, axis=0), np.concatenate(bs)  # [sum C_i, C_in, kh, kw], [sum C_i]
     else:
@@ -213,21 +214,21 @@ def _conv_op(first: TopologyGraph, second: TopologyGraph, layer: Layer) -> Op:
     )
     reason = None
     seen_act = False
-    for e in fused.get("epilogue", []):
-        if e.get("folded"):
+    for e in fused.epilogue:
+        if e.folded:
             continue
-        if e["role"] == "residual" and e["op"] == "Add":
+        if e.role == "residual" and e.op == "Add":
             if seen_act:
                 reason = "an activation before the residual add"
-            op.residual = e["extra_input"]
-        elif e["role"] == "activation" and e["op"] == "Relu":
+            op.residual = e.extra_input
+        elif e.role == "activation" and e.op == "Relu":
             op.acts.append(Act("relu"))
             seen_act = True
-        elif e["role"] == "activation" and e["op"] == "Clip":
-            op.acts.append(Act("clip", e.get("min"), e.get("max")))
+        elif e.role == "activation" and e.op == "Clip":
+            op.acts.append(Act("clip", e.params.get("min"), e.params.get("max")))
             seen_act = True
         else:
-            reason = f"epilogue {e['op']} ({e['role']}) has no VTA ALU form"
+            reason = f"epilogue {e.op} ({e.role}) has no VTA ALU form"
     if reason is None and weight.shape[1] < MIN_VTA_IN_CHANNELS:
         reason = (
             f"{weight.shape[1]} input channels, fewer than {MIN_VTA_IN_CHANNELS} (like the RGB stem, too little work for the GEMM block)"
@@ -241,15 +242,14 @@ def _conv_op(first: TopologyGraph, second: TopologyGraph, layer: Layer) -> Op:
     return op
 
 
-def _act_before_residual(fused: dict) -> bool:
-    roles = [e["role"] for e in fused.get("epilogue", []) if not e.get("folded")]
+def _act_before_residual(fused: LayerFacts) -> bool:
+    roles = [e.role for e in fused.epilogue if not e.folded]
     return "residual" in roles and "activation" in roles and roles.index("activation") < roles.index("residual")
 
 
-def _needs_members(fused: dict) -> bool:
-    return any(not e.get("folded") and e["role"] not in ("residual", "activation") for e in fused.get("epilogue", [])) or any(
-        not e.get("folded") and e["role"] == "activation" and e["op"] not in ("Relu", "Clip") for e in fused.get("epilogue", [])
-    )
+def _needs_members(fused: LayerFacts) -> bool:
+    live = [e for e in fused.epilogue if not e.folded]
+    return any(e.role not in ("residual", "activation") or e.role == "activation" and e.op not in ("Relu", "Clip") for e in live)
 
 
 def _as_host_conv(op: ConvOp, reason: str) -> ConvOp:
@@ -258,11 +258,11 @@ def _as_host_conv(op: ConvOp, reason: str) -> ConvOp:
     return op
 
 
-def _weights(first: TopologyGraph, conv_name: str, fused: dict) -> tuple[np.ndarray, np.ndarray]:
+def _weights(first: TopologyGraph, conv_name: str, fused: LayerFacts) -> tuple[np.ndarray, np.ndarray]:
     conv = first.layer(conv_name)
     w = first.tensor(conv.inputs[1]).value()  # [C_out, C_in, kh, kw]
     b = first.tensor(conv.inputs[2]).value() if len(conv.inputs) > 2 and conv.inputs[2] else np.zeros(w.shape[0])
-    return fold_affine(first, w, b, fused.get("epilogue", []))  # float64
+    return fold_affine(first, w, b, fused.epilogue)  # float64
 
 
 # ---------------------------------------------------------------------- unfused form
