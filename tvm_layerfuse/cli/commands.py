@@ -95,7 +95,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from ..compile.report import compare
 
         if args.target != "cpu":
-            raise UsageError(f"inspect --compile compares on cpu or vta; found --target {args.target} - use --target cpu or vta")
+            raise UsageError(f"inspect --compile has no comparison for --target {args.target}; expected cpu or vta - use one of them")
 
         compiled = compare(model, plan=result, input_shapes=parse_input_shapes(args.input_shape))
     if args.json:
