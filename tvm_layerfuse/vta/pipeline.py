@@ -126,7 +126,7 @@ def compile_vta(
     n_calibration: int = 8,
     seed: int = 0,
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-    force: bool = True,
+    force: bool = False,
     on_commit: Optional[Callable[[], None]] = None,
 ) -> dict[str, Any]:
     """Compile an ONNX model for VTA into the artifact directory ``out_dir`` (atomically, as
