@@ -6,7 +6,7 @@ names the input, no traceback, and nothing partially written (no artifact direct
 hidden temporary directory beside it). Inputs that are legal but suspicious (NaN/Inf
 weights, an op TVM cannot import) must not stop ``inspect``: it reports them and goes on.
 
-Three families:
+Four families:
 
 * model files: empty, random bytes, truncated, opset too new/old, cycle, duplicate tensor
   names, missing initializer, dynamic/zero/huge shapes, an op TVM's importer lacks,
@@ -16,7 +16,10 @@ Three families:
 * artifacts, which are untrusted input: checksum mismatch, a manifest naming
   ``../../etc/passwd``, an absolute path, a symlink out of the artifact, a weights file
   outside it, a pickled object in ``params.npz``, malformed manifest fields, weights that
-  do not fit the library, a library that is not one; and a pickled ``--input``.
+  do not fit the library, a library that is not one; and a pickled ``--input``;
+* the vta target: bad ``--vta-config`` files, calibration files, options that do not apply,
+  a batch-2 model, a vta artifact run on the wrong device or with a changed program file (and
+  the messages of the ``tvm_layerfuse.vta`` Python API, in the same table).
 
 The mount cases need root (a private mount namespace with ``unshare -m``; nothing leaks
 to the host) and are skipped otherwise. The subprocesses of a family run concurrently,
