@@ -180,3 +180,30 @@ def test_activation_before_residual_runs_its_own_layers_on_the_host():
     (ref,) = run_onnxruntime(model, feeds)
     assert np.max(np.abs(run_float(b.graph, feeds)["output"] - ref)) <= 1e-4 * np.max(np.abs(ref))
     np.testing.assert_array_equal(b.run(feeds).outputs["output"], reference(b.graph, b.quantization, feeds)["output"])
+
+
+def test_lrn_and_dropout_with_a_mask_run_on_the_host():
+    """GoogLeNet's LRN and a Dropout with its (unread) mask output: host steps that match
+    onnxruntime in float, and the simulator stays bit-exact with the int8 reference."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tvm_layerfuse.testing.checks import run_onnxruntime
+    from tvm_layerfuse.vta.quantize import run_float
+
+    rng = np.random.default_rng(4)
+    w = numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32) * 0.2, "w")
+    nodes = [
+        helper.make_node("Conv", ["input", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("LRN", ["r"], ["l"], name="lrn", size=5, alpha=2e-2, beta=0.75, bias=1.5),
+        helper.make_node("Dropout", ["l"], ["output", "mask"], name="drop"),
+    ]
+    graph = helper.make_graph(nodes, "lrn", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 16, 8, 8])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 16, 8, 8])], [w])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    b = pipeline.build(model, n_calibration=2)
+    assert [r["where"] for r in b.placement()][:1] == ["vta"]
+    for feeds in random_samples(b.graph, 2, seed=6):
+        (ref,) = run_onnxruntime(model, feeds)
+        assert np.max(np.abs(run_float(b.graph, feeds)["output"] - ref)) <= 1e-4 * np.max(np.abs(ref))
+        np.testing.assert_array_equal(b.run(feeds).outputs["output"], reference(b.graph, b.quantization, feeds)["output"])

@@ -183,7 +183,9 @@ def _rank(graph: TopologyGraph, tensor: str) -> int:
 def _host(first: TopologyGraph, layer: Layer, reason: str) -> HostOp:
     members = [m for m in first.layers if m.name in set(layer.members)] if layer.members else [first.layer(layer.name)]
     data_in = [i for i in layer.inputs if i and not (i in first.tensors and first.tensor(i).constant)]
-    return HostOp(layer.name, [m.name for m in members], data_in, list(layer.outputs), op_type=layer.op_type, reason=reason)
+    # outputs nobody reads (Dropout's mask) are not computed
+    outs = [o for k, o in enumerate(layer.outputs) if k == 0 or o and (first.consumers(o) or o in first.outputs)]
+    return HostOp(layer.name, [m.name for m in members], data_in, outs, op_type=layer.op_type, reason=reason)
 
 
 def _conv_op(first: TopologyGraph, second: TopologyGraph, layer: Layer) -> Op:

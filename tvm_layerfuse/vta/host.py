@@ -113,6 +113,18 @@ def _conv(ins, attrs):
                   dilations=attrs.get("dilations", [1, 1]), group=int(attrs.get("group", 1)))
 
 
+def _lrn(ins, attrs):
+    """ONNX LRN: ``y[c] = x[c] / (bias + alpha / size * sum_{c' in window(c)} x[c']**2) ** beta``,
+    the window ``[c - floor((size-1)/2), c + ceil((size-1)/2)]`` cut at the channel range."""
+    x = ins[0]  # [N, C, ...]
+    size = int(attrs["size"])
+    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
+    sq = np.pad(x * x, [(0, 0), (lo, hi)] + [(0, 0)] * (x.ndim - 2))  # [N, C + size - 1, ...]
+    window = np.lib.stride_tricks.sliding_window_view(sq, size, axis=1).sum(axis=-1)  # [N, C, ...]
+    alpha, beta, bias = float(attrs.get("alpha", 1e-4)), float(attrs.get("beta", 0.75)), float(attrs.get("bias", 1.0))
+    return x / (bias + alpha / size * window) ** beta
+
+
 def _reshape(ins, attrs):
     shape = [int(s) for s in ins[1]]
     shape = [ins[0].shape[k] if s == 0 else s for k, s in enumerate(shape)]
@@ -143,6 +155,7 @@ HOST_OPS: dict[str, Callable[[list, dict[str, Any]], Any]] = {
     "Identity": lambda ins, a: ins[0],
     "Dropout": lambda ins, a: ins[0],
     "Reshape": _reshape,
+    "LRN": _lrn,
 }
 
 

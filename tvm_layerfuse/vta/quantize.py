@@ -93,7 +93,9 @@ def host_program(graph: VTAGraph, op: Op) -> tuple[list[dict], dict[str, np.ndar
                 args.append({"const": i})
             else:
                 args.append(i)
-        if layer.op_type not in host.HOST_OPS or layer.domain or len(layer.outputs) != 1:
+        # extra outputs nobody reads (Dropout's mask) are fine: the step computes the first
+        unused = all(not o or not first.consumers(o) and o not in first.outputs for o in layer.outputs[1:])
+        if layer.op_type not in host.HOST_OPS or layer.domain or not unused:
             from ..errors import BuildError
 
             raise BuildError(
