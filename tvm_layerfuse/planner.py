@@ -84,6 +84,11 @@ class FusionPlan:
         """Facts about the model that limit fusion or compilation (ops ONNX does not define,
         ops TVM's importer cannot convert, weights holding NaN/Inf)."""
         notes = []
+        folding = self.first.meta.get("shape_folding")
+        if folding:
+            from .topology.shape_folding import ShapeFolding
+
+            notes.append(ShapeFolding(**folding).summary())
         unknown = self.first.meta.get("unknown_ops", [])
         if unknown:
             notes.append(f"ops ONNX does not define are kept as opaque layers, never fused: {', '.join(unknown)}")
@@ -116,6 +121,8 @@ class FusionPlan:
             "refusals": [r.to_dict() for r in self.refusals],
             "notes": self.graph_notes(),
         }
+        if self.first.meta.get("shape_folding"):
+            out["shape_folding"] = self.first.meta["shape_folding"]
         if graphs:
             out["first_graph"] = self.first.to_dict()
             out["second_graph"] = self.second.to_dict()

@@ -2,7 +2,8 @@
 
 Steps::
 
-    read_onnx                 first topology graph (checks the model, fixes input shapes)
+    read_onnx                 first topology graph (checks the model, fixes input shapes,
+                              folds shape arithmetic: topology/shape_folding.py)
     materialize_constants     ConstantOfShape/Constant weight chains -> initializers
     canonicalize (ONNX)       Sum(a, b, ...) -> Add(Add(a, b), ...)
     from_onnx(keep_params_in_input=True)
@@ -69,6 +70,8 @@ def import_onnx(
         model, label = load_model(model_or_path), Path(model_or_path).name
     graph = read_onnx(model, input_shapes=input_shapes, name=label)
     _refuse_training_mode(graph)
+    if graph.source is not None:  # input shapes fixed, shape arithmetic folded: what the graph describes
+        model = graph.source
     prepared = _integer_initializers_as_constants(materialize_constants(model, graph))
     if canonicalize:
         prepared = _sum_to_add(prepared)

@@ -1,0 +1,126 @@
+"""Models as other exporters write them (tvm_layerfuse.testing.exporters): shape arithmetic
+folded before import, compiled from the command line with ``--input-shape``, run with the
+runtime, equal to onnxruntime (fp32, rel. err <= 1e-4), fused and unfused alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from graphs import rel_err, run_ort
+from tvm_layerfuse import cli
+from tvm_layerfuse.errors import GraphError
+from tvm_layerfuse.planner import plan
+from tvm_layerfuse.testing import exporters
+from tvm_layerfuse.topology import read_onnx
+from tvm_layerfuse.topology.shape_folding import fold_static_shapes, has_shape_arithmetic
+
+RTOL = 1e-4
+IMAGE = 16
+
+
+def _fixed(model: onnx.ModelProto, shape) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    dims = out.graph.input[0].type.tensor_type.shape.dim
+    for d, v in zip(dims, shape):
+        d.ClearField("dim_param")
+        d.dim_value = v
+    return out
+
+
+@pytest.mark.parametrize("form", ["gather", "reduceprod"])
+def test_flatten_head_shape_arithmetic_is_folded_and_checked(form):
+    model = exporters.flatten_head(form=form, seed=3)
+    assert has_shape_arithmetic(model)
+    graph = read_onnx(model, input_shapes={"input": [2, 3, IMAGE, IMAGE]})
+    folding = graph.meta["shape_folding"]
+    assert folding["removed"]["Shape"] == 1 and folding["targets"] == ["/Reshape"]
+    assert folding["checked"] and folding["max_abs_diff"] == 0.0
+    assert not folding["remaining"]
+    assert {layer.op_type for layer in graph} >= {"Conv", "Reshape", "Gemm"}
+    assert not any(layer.op_type in ("Shape", "Gather", "ReduceProd") for layer in graph)
+    # the Reshape's output shape is known now (it was [2, ?] without folding)
+    reshape = next(layer for layer in graph if layer.op_type == "Reshape")
+    assert graph.tensor(reshape.outputs[0]).shape == (2, 16 * 4 * 4)
+    note = plan(graph).graph_notes()[0]
+    assert note.startswith("shape arithmetic folded before import:") and "'/Reshape'" in note
+
+
+def test_model_without_shape_arithmetic_is_not_touched():
+    from tvm_layerfuse.testing import zoo
+
+    model = zoo.squeezenet1_1(image=32, seed=1)
+    same, report = fold_static_shapes(model, label="squeezenet")
+    assert report is None and same is model
+    assert "shape_folding" not in read_onnx(model).meta
+
+
+def test_folding_that_changes_results_is_an_error(monkeypatch):
+    """The check against the original is live: a folding that changed a number is refused."""
+    from tvm_layerfuse.topology import shape_folding
+
+    model = _fixed(exporters.flatten_head(seed=1), [1, 3, IMAGE, IMAGE])
+    real = shape_folding._fold_shape_cone
+
+    def broken(m):
+        out = real(m)
+        gemm_bias = next(t for t in out.graph.initializer if t.name.endswith("fc.bias"))
+        values = onnx.numpy_helper.to_array(gemm_bias).copy()
+        values[0] += 1.0
+        gemm_bias.CopyFrom(onnx.numpy_helper.from_array(values, gemm_bias.name))
+        return out
+
+    monkeypatch.setattr(shape_folding, "_fold_shape_cone", broken)
+    with pytest.raises(GraphError, match=r"changed output 'output' by 1 .*report the model"):
+        fold_static_shapes(model, label="m")
+
+
+def test_dynamic_dims_keep_the_clear_error():
+    from tvm_layerfuse.errors import ShapeError
+
+    with pytest.raises(ShapeError, match=r"dynamic shape \[\?,3,16,16\].*--input-shape input=1,3,16,16"):
+        read_onnx(exporters.shufflenet_v2_block())
+
+
+# ---------------------------------------------------------------------- from the command line
+def _compile_and_run(tmp_path, name: str, model: onnx.ModelProto, shape, *, seed: int = 0):
+    """compile (fused and --no-fuse) and run from the CLI; outputs of both, and onnxruntime's."""
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(model, str(path))
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    flag = "input=" + ",".join(map(str, shape))
+    outs = {}
+    for kind, extra in (("fused", []), ("plain", ["--no-fuse"])):
+        art = tmp_path / f"{name}.{kind}"
+        assert cli.main(["-q", "compile", str(path), "--input-shape", flag, "-o", str(art), *extra]) == 0
+        y = tmp_path / f"{kind}.npz"
+        assert cli.main(["-q", "run", str(art), "--input", str(tmp_path / "x.npy"), "--output", str(y)]) == 0
+        outs[kind] = dict(np.load(y))
+    expected = dict(zip([o.name for o in model.graph.output], run_ort(model, {"input": x})))
+    return expected, outs
+
+
+def _assert_equal(expected, outs):
+    for name, e in expected.items():
+        for kind in ("fused", "plain"):
+            got = outs[kind][name]
+            assert got.shape == e.shape, (name, kind)
+            assert rel_err(e, got) <= RTOL, f"{kind} {name}: {rel_err(e, got):.3g}"
+        assert rel_err(outs["plain"][name], outs["fused"][name]) <= RTOL
+
+
+@pytest.mark.parametrize(
+    "name,batch",
+    [("flatten_head_reduceprod", 2), ("shufflenet_v2_block", 1)],
+)
+def test_shape_computing_models_compile_from_the_cli(tmp_path, name, batch):
+    model = exporters.BUILDERS[name](seed=5)
+    expected, outs = _compile_and_run(tmp_path, name, model, (batch, 3, IMAGE, IMAGE))
+    # live weights: two different inputs give clearly different outputs
+    other = run_ort(model, {"input": np.ones((batch, 3, IMAGE, IMAGE), np.float32)})[0]
+    assert rel_err(expected["output"], other) > 0.05
+    _assert_equal(expected, outs)

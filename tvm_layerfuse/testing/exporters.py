@@ -1,0 +1,223 @@
+"""Test models written the way other exporters write them: shape arithmetic, mobile epilogues.
+
+:mod:`.zoo` writes torchvision networks as the TorchScript exporter writes them with fixed
+sizes. Models as users bring them also compute their shapes at run time (Paddle2ONNX,
+tf2onnx, the TorchScript exporter with ``dynamic_axes``, YOLO's own export), end their
+convs in HardSwish/HardSigmoid written out as ``x * Clip(x + 3, 0, 6) / 6``, and gate
+channels with squeeze-and-excitation. The builders here write those forms, small, with
+seeded live weights (He-normal convs, BatchNorm statistics calibrated on a seeded batch:
+see :mod:`._builder`). No PyTorch is needed.
+
+* :func:`flatten_head` - conv stem + a Flatten computed from shapes
+  (``Shape -> Gather -> Unsqueeze -> Concat -> Reshape``, or the tf2onnx form with
+  ``Slice -> ReduceProd``);
+* :func:`shufflenet_v2_block` - ShuffleNetV2 units: channel ``Split``, depthwise branch,
+  ``Concat`` and the TorchScript channel shuffle
+  (``Shape -> Gather -> Div -> Reshape -> Transpose -> Reshape``);
+
+Every builder takes ``batch``, ``image``, ``seed`` and ``opset`` keywords and declares
+the batch dimension dynamic (``"N"``), as ``dynamic_axes`` exports do: compile them with
+``--input-shape input=B,3,H,W``. The input is ``input``, the outputs ``output`` (and
+more where the network has several).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ._builder import NetBuilder, check_options
+
+__all__ = ["BUILDERS", "flatten_head", "shufflenet_v2_block", "dynamic_batch"]
+
+
+def _start(name: str, *, batch: int, image: int, seed: int, opset: int) -> tuple[NetBuilder, str]:
+    check_options(opset=opset, bn="separate", clip="inputs", batch=batch, image=image)
+    b = NetBuilder(name, seed=seed, opset=opset, bn="separate", clip="inputs", quirks=True)
+    return b, b.input("input", (batch, 3, image, image))
+
+
+def dynamic_batch(model: onnx.ModelProto, *, dims: Sequence[int] = (0,)) -> onnx.ModelProto:
+    """The model with the given dims of every graph input and output declared symbolic
+    (``N``, ``d2`` ...), as an export with ``dynamic_axes`` writes it."""
+    for vi in list(model.graph.input) + list(model.graph.output):
+        shape = vi.type.tensor_type.shape
+        for k in dims:
+            if k < len(shape.dim):
+                shape.dim[k].ClearField("dim_value")
+                shape.dim[k].dim_param = "N" if k == 0 else f"d{k}"
+    return model
+
+
+# ---------------------------------------------------------------------- shape arithmetic helpers
+class _Shapes:
+    """Shape arithmetic as exporters write it, on a :class:`NetBuilder` (int64 tensors)."""
+
+    def __init__(self, b: NetBuilder) -> None:
+        self.b = b
+
+    def const(self, value, dtype=np.int64) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        (out,) = self.b.node("Constant", [], [arr.shape], value=numpy_helper.from_array(arr))
+        return out
+
+    def shape(self, x: str) -> str:
+        return self.b.node("Shape", [x], [(len(self.b.shapes[x]),)])[0]
+
+    def dim(self, shape: str, k: int) -> str:
+        """``Gather(shape, k)``: a scalar."""
+        return self.b.node("Gather", [shape, self.const(k)], [()], axis=0)[0]
+
+    def unsqueeze(self, scalar: str) -> str:
+        if self.b.opset >= 13:
+            return self.b.node("Unsqueeze", [scalar, self.const([0])], [(1,)])[0]
+        return self.b.node("Unsqueeze", [scalar], [(1,)], axes=[0])[0]
+
+    def vector(self, parts: Sequence) -> str:
+        """``Concat`` of scalars (tensor names, unsqueezed) and ints (constants) into a shape."""
+        pieces = [self.unsqueeze(p) if isinstance(p, str) else self.const([int(p)]) for p in parts]
+        return self.b.node("Concat", pieces, [(len(pieces),)], axis=0)[0]
+
+    def binary(self, op: str, a: str, b) -> str:
+        other = b if isinstance(b, str) else self.const(int(b))
+        return self.b.node(op, [a, other], [()])[0]
+
+    def reshape(self, x: str, target: str, out_shape: Sequence[int]) -> str:
+        return self.b.node("Reshape", [x, target], [tuple(out_shape)])[0]
+
+
+# ---------------------------------------------------------------------- flatten head
+def flatten_head(
+    *,
+    batch: int = 1,
+    image: int = 16,
+    form: str = "gather",
+    seed: int = 0,
+    opset: int = 13,
+    num_classes: int = 10,
+) -> onnx.ModelProto:
+    """Conv-BN-ReLU x2, MaxPool, then a Flatten computed from shapes, then Linear.
+
+    ``form="gather"`` (TorchScript ``x.view(x.size(0), -1)``):
+    ``Shape -> Gather(0) -> Unsqueeze -> Concat([n, -1]) -> Reshape``.
+    ``form="reduceprod"`` (tf2onnx / Paddle ``flatten``): ``Shape -> Slice(1:) -> ReduceProd``
+    and ``Shape -> Slice(0:1)`` -> ``Concat`` -> ``Cast`` -> ``Reshape``; TVM's importer
+    refuses it unless the shapes are folded first.
+    """
+    if form not in ("gather", "reduceprod"):
+        raise ValueError(f"form={form!r}; expected 'gather' or 'reduceprod'")
+    b, x = _start(f"flatten_head_{form}", batch=batch, image=image, seed=seed, opset=opset)
+    s = _Shapes(b)
+    with b.scope("features"):
+        with b.scope(0):
+            x = b.relu(b.conv_bn(x, 8, 3, pad=1))
+        with b.scope(1):
+            x = b.relu(b.conv_bn(x, 16, 3, stride=2, pad=1))
+        x = b.maxpool(x, 2)
+    n, c, h, w = b.shapes[x]
+    shp = s.shape(x)
+    if form == "gather":
+        target = s.vector([s.dim(shp, 0), -1])
+    else:
+        head = b.node("Slice", [shp, s.const([0]), s.const([1])], [(1,)])[0]
+        tail = b.node("Slice", [shp, s.const([1]), s.const([4])], [(3,)])[0]
+        prod = b.node("ReduceProd", [tail], [(1,)], keepdims=1)[0]
+        cat = b.node("Concat", [head, prod], [(2,)], axis=0)[0]
+        target = b.node("Cast", [cat], [(2,)], to=TensorProto.INT64)[0]
+    flat = s.reshape(x, target, (n, c * h * w))
+    with b.scope("fc"):
+        out = b.linear(flat, num_classes)
+    return dynamic_batch(b.build({"output": out}, doc=f"flatten_head form={form}"))
+
+
+# ---------------------------------------------------------------------- ShuffleNetV2
+def _channel_shuffle(b: NetBuilder, s: _Shapes, x: str, groups: int = 2) -> str:
+    """torchvision's ``channel_shuffle`` as the TorchScript exporter writes it with dynamic
+    sizes: the view's sizes come from ``x.size()`` and ``num_channels // groups``."""
+    n, c, h, w = b.shapes[x]
+    shp = s.shape(x)
+    dims = [s.dim(shp, k) for k in range(4)]
+    per_group = s.binary("Div", dims[1], groups)
+    x5 = s.reshape(x, s.vector([dims[0], groups, per_group, dims[2], dims[3]]), (n, groups, c // groups, h, w))
+    t = b.node("Transpose", [x5], [(n, c // groups, groups, h, w)], perm=[0, 2, 1, 3, 4])[0]
+    shp2 = s.shape(x)  # torch reads x.size() again for the second view
+    return s.reshape(t, s.vector([s.dim(shp2, 0), -1, s.dim(shp2, 2), s.dim(shp2, 3)]), (n, c, h, w))
+
+
+def shufflenet_v2_block(
+    *,
+    batch: int = 1,
+    image: int = 16,
+    channels: int = 16,
+    seed: int = 0,
+    opset: int = 13,
+    num_classes: int = 10,
+) -> onnx.ModelProto:
+    """Stem Conv-BN-ReLU, one stride-2 and one stride-1 ShuffleNetV2 unit, head.
+
+    Stride 2: ``Concat(branch1(x), branch2(x))``; stride 1: ``Split`` x into halves,
+    ``Concat(x1, branch2(x2))``; each followed by the channel shuffle. branch2 =
+    1x1 Conv-BN-ReLU -> depthwise 3x3 Conv-BN -> 1x1 Conv-BN-ReLU; branch1 = depthwise 3x3
+    Conv-BN -> 1x1 Conv-BN-ReLU.
+    """
+    b, x = _start("shufflenet_v2_block", batch=batch, image=image, seed=seed, opset=opset)
+    s = _Shapes(b)
+    half = channels // 2
+
+    def branch2(y: str, stride: int) -> str:
+        cin = b.shapes[y][1]
+        with b.scope(0):
+            y = b.conv(y, half, 1, bias=False)
+        with b.scope(1):
+            y = b.relu(b.batchnorm(y))
+        with b.scope(3):
+            y = b.conv(y, half, 3, stride=stride, pad=1, groups=half, bias=False)
+        with b.scope(4):
+            y = b.batchnorm(y)
+        with b.scope(5):
+            y = b.conv(y, half, 1, bias=False)
+        with b.scope(6):
+            y = b.relu(b.batchnorm(y))
+        del cin
+        return y
+
+    with b.scope("conv1", 0):
+        x = b.relu(b.conv_bn(x, channels // 2, 3, stride=1, pad=1, conv_scope=None, bn_scope=None))
+    with b.scope("stage2", 0):
+        cin = b.shapes[x][1]
+        with b.scope("branch1"):
+            with b.scope(0):
+                y1 = b.conv(x, cin, 3, stride=2, pad=1, groups=cin, bias=False)
+            with b.scope(1):
+                y1 = b.batchnorm(y1)
+            with b.scope(2):
+                y1 = b.conv(y1, half, 1, bias=False)
+            with b.scope(3):
+                y1 = b.relu(b.batchnorm(y1))
+        with b.scope("branch2"):
+            y2 = branch2(x, 2)
+        x = _channel_shuffle(b, s, b.concat([y1, y2]))
+    with b.scope("stage2", 1):
+        n, c, h, w = b.shapes[x]
+        split = helper.make_tensor("split_sizes", TensorProto.INT64, [2], [c // 2, c // 2])
+        if opset >= 13:
+            x1, x2 = b.node("Split", [x, b.initializer(b._anon("Constant"), numpy_helper.to_array(split))],
+                            [(n, c // 2, h, w)] * 2, axis=1)
+        else:
+            x1, x2 = b.node("Split", [x], [(n, c // 2, h, w)] * 2, axis=1, split=[c // 2, c // 2])
+        with b.scope("branch2"):
+            y2 = branch2(x2, 1)
+        x = _channel_shuffle(b, s, b.concat([x1, y2]))
+    out = b.classifier(x, num_classes)
+    return dynamic_batch(b.build({"output": out}, doc="shufflenet_v2_block"))
+
+
+BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
+    "flatten_head_gather": lambda **kw: flatten_head(form="gather", **kw),
+    "flatten_head_reduceprod": lambda **kw: flatten_head(form="reduceprod", **kw),
+    "shufflenet_v2_block": shufflenet_v2_block,
+}
+"""Every builder by name; each compiles with ``--input-shape input=1,3,IMAGE,IMAGE``."""
