@@ -8,6 +8,7 @@
       1. FoldAffineIntoConv2D    vertical         BN / per-channel Mul/Add/Sub/Div -> conv weight, bias
       2. MergeParallelConv2D     horizontal       (relax/horizontal.py, when present)
       3. FuseConv2DEpilogue      vertical + eltwise  conv + bias + [residual] + [act] -> one function
+      4. AbsorbElementwiseConsumers                what FuseOps would still fuse after a group joins it
       bind_params                                 W', b' become constants, computed once here
                                                   (LiftTransformParams + one compile, then BindParams)
 
@@ -37,6 +38,7 @@ import tvm
 from tvm import relax
 
 from ..errors import UsageError
+from .absorb_elementwise import AbsorbElementwiseConsumers
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
 from .importer import import_onnx
@@ -119,6 +121,12 @@ def fuse_with_report(
     mod = epilogue(mod)
     report["groups"] = list(epilogue.groups)
     report["group_refused"] = list(epilogue.refused)
+
+    # 4. what the plan left after a group that TVM's FuseOps would fuse into it (never more
+    #    kernels than the default pipeline)
+    absorb = AbsorbElementwiseConsumers()
+    mod = absorb(mod)
+    report["absorbed"] = list(absorb.absorbed)
     if plan is not None:
         report["plan_check"] = _compare_with_plan(plan, report)
 

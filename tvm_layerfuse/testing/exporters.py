@@ -14,6 +14,9 @@ see :mod:`._builder`). No PyTorch is needed.
 * :func:`shufflenet_v2_block` - ShuffleNetV2 units: channel ``Split``, depthwise branch,
   ``Concat`` and the TorchScript channel shuffle
   (``Shape -> Gather -> Div -> Reshape -> Transpose -> Reshape``);
+* :func:`mobilenet_v3_small_like` - torchvision's MobileNetV3-small: HardSwish (the op,
+  ``x * HardSigmoid(x)`` or ``x * Clip(x + 3, 0, 6) / 6``), squeeze-and-excitation gates
+  with HardSigmoid, depthwise convs;
 
 Every builder takes ``batch``, ``image``, ``seed`` and ``opset`` keywords and declares
 the batch dimension dynamic (``"N"``), as ``dynamic_axes`` exports do: compile them with
@@ -31,12 +34,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._builder import NetBuilder, check_options
 
-__all__ = ["BUILDERS", "flatten_head", "shufflenet_v2_block", "dynamic_batch"]
+__all__ = ["BUILDERS", "dynamic_batch", "flatten_head", "mobilenet_v3_small_like", "shufflenet_v2_block"]
 
 
-def _start(name: str, *, batch: int, image: int, seed: int, opset: int) -> tuple[NetBuilder, str]:
-    check_options(opset=opset, bn="separate", clip="inputs", batch=batch, image=image)
-    b = NetBuilder(name, seed=seed, opset=opset, bn="separate", clip="inputs", quirks=True)
+def _start(
+    name: str, *, batch: int, image: int, seed: int, opset: int, bn: str = "separate"
+) -> tuple[NetBuilder, str]:
+    check_options(opset=opset, bn=bn, clip="inputs", batch=batch, image=image)
+    b = NetBuilder(name, seed=seed, opset=opset, bn=bn, clip="inputs", quirks=True)
     return b, b.input("input", (batch, 3, image, image))
 
 
@@ -215,9 +220,134 @@ def shufflenet_v2_block(
     return dynamic_batch(b.build({"output": out}, doc="shufflenet_v2_block"))
 
 
+# ---------------------------------------------------------------------- MobileNetV3-small
+HARDSWISH_FORMS = ("op", "hardsigmoid_mul", "clip_div")
+
+# torchvision mobilenet_v3_small: (in, kernel, expanded, out, use_se, activation, stride)
+MOBILENET_V3_SMALL = (
+    (16, 3, 16, 16, True, "RE", 2),
+    (16, 3, 72, 24, False, "RE", 2),
+    (24, 3, 88, 24, False, "RE", 1),
+    (24, 5, 96, 40, True, "HS", 2),
+    (40, 5, 240, 40, True, "HS", 1),
+    (40, 5, 240, 40, True, "HS", 1),
+    (40, 5, 120, 48, True, "HS", 1),
+    (48, 5, 144, 48, True, "HS", 1),
+    (48, 5, 288, 96, True, "HS", 2),
+    (96, 5, 576, 96, True, "HS", 1),
+    (96, 5, 576, 96, True, "HS", 1),
+)
+
+
+def hardswish(b: NetBuilder, x: str, form: str = "op") -> str:
+    """HardSwish as exporters write it: the op (opset >= 14), ``x * HardSigmoid(x)``
+    (torch at opset < 14), or ``x * Clip(x + 3, 0, 6) / 6`` (tf2onnx, Paddle, hand-written)."""
+    if form == "op":
+        return b.node("HardSwish", [x], [b.shapes[x]])[0]
+    if form == "hardsigmoid_mul":
+        return b.mul(x, hardsigmoid(b, x))
+    if form == "clip_div":
+        y = b.clip(b.add(x, b.constant(3.0)), 0.0, 6.0)
+        return b.binary("Div", b.mul(x, y), b.constant(6.0))
+    raise ValueError(f"hardswish form {form!r}; expected one of {HARDSWISH_FORMS}")
+
+
+def hardsigmoid(b: NetBuilder, x: str) -> str:
+    """torch's Hardsigmoid export: ``HardSigmoid(alpha=1/6, beta=0.5)``."""
+    return b.node("HardSigmoid", [x], [b.shapes[x]], alpha=1.0 / 6.0, beta=0.5)[0]
+
+
+def mobilenet_v3_small_like(
+    *,
+    batch: int = 1,
+    image: int = 32,
+    width: float = 0.25,
+    setting: Sequence[Sequence] = MOBILENET_V3_SMALL,
+    hardswish_form: str = "op",
+    bn: str = "folded",
+    seed: int = 0,
+    opset: int = 14,
+    num_classes: int = 10,
+) -> onnx.ModelProto:
+    """torchvision ``mobilenet_v3_small``'s structure at ``width``.
+
+    Stem Conv 3x3/2-BN-HardSwish; inverted residuals: [expand 1x1-BN-act] -> depthwise
+    kxk-BN-act -> [squeeze-excitation: GlobalAveragePool -> fc1 1x1 conv -> ReLU -> fc2 1x1
+    conv -> HardSigmoid -> ``Mul(scale, x)``] -> project 1x1-BN -> [``Add`` residual];
+    last Conv 1x1-BN-HardSwish, GlobalAveragePool, Linear-HardSwish-Linear.
+    ``hardswish_form``: one of :data:`HARDSWISH_FORMS`. ``bn="folded"`` (torch's eval-mode
+    export folds every BatchNorm into its conv) or ``"separate"``.
+    """
+    if hardswish_form not in HARDSWISH_FORMS:
+        raise ValueError(f"hardswish_form={hardswish_form!r}; expected one of {HARDSWISH_FORMS}")
+    if hardswish_form == "op" and opset < 14:
+        raise ValueError(f"HardSwish needs opset >= 14, got opset={opset}; pass hardswish_form='hardsigmoid_mul'")
+    b, x = _start(f"mobilenet_v3_small_{hardswish_form}", batch=batch, image=image, seed=seed, opset=opset, bn=bn)
+    from .zoo import make_divisible
+
+    c = lambda n: make_divisible(n * width)  # noqa: E731
+    act = {"RE": b.relu, "HS": lambda y: hardswish(b, y, hardswish_form)}
+
+    def cna(y: str, idx, cout: int, k: int, stride: int = 1, groups: int = 1, activation: str = "HS") -> str:
+        with b.scope(idx):
+            y = b.conv_bn(y, cout, k, stride=stride, pad=(k - 1) // 2, groups=groups, conv_scope=0, bn_scope=1, eps=1e-3)
+            if activation is None:
+                return y
+            with b.scope(2):
+                return act[activation](y)
+
+    with b.scope("features"):
+        x = cna(x, 0, c(16), 3, stride=2)
+        for i, (cin, k, exp, cout, se, activation, stride) in enumerate(setting, start=1):
+            cin, exp, cout = c(cin), c(exp), c(cout)
+            with b.scope(i, "block"):
+                y, j = x, 0
+                if exp != cin:
+                    y = cna(y, j, exp, 1, activation=activation)
+                    j += 1
+                y = cna(y, j, exp, k, stride=stride, groups=exp, activation=activation)
+                j += 1
+                if se:
+                    with b.scope(j):
+                        squeeze = make_divisible(exp // 4, 8)
+                        with b.scope("avgpool"):
+                            s_ = b.global_avgpool(y)
+                        with b.scope("fc1"):
+                            s_ = b.conv(s_, squeeze, 1)
+                        with b.scope("relu"):
+                            s_ = b.relu(s_)
+                        with b.scope("fc2"):
+                            s_ = b.conv(s_, exp, 1)
+                        with b.scope("scale_activation"):
+                            s_ = hardsigmoid(b, s_)
+                        y = b.mul(s_, y)
+                    j += 1
+                y = cna(y, j, cout, 1, activation=None)
+            if stride == 1 and cin == cout:
+                with b.scope(i):
+                    y = b.add(y, x)
+            x = y
+        x = cna(x, len(setting) + 1, 6 * b.shapes[x][1], 1)
+    with b.scope("avgpool"):
+        x = b.global_avgpool(x)
+    x = b.flatten(x)
+    with b.scope("classifier", 0):
+        x = b.linear(x, c(1024))
+    with b.scope("classifier", 1):
+        x = hardswish(b, x, hardswish_form)
+    with b.scope("classifier", 3):
+        out = b.linear(x, num_classes)
+    return dynamic_batch(b.build({"output": out}, doc=f"mobilenet_v3_small_like width={width} hardswish={hardswish_form}"))
+
+
 BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
     "flatten_head_gather": lambda **kw: flatten_head(form="gather", **kw),
     "flatten_head_reduceprod": lambda **kw: flatten_head(form="reduceprod", **kw),
     "shufflenet_v2_block": shufflenet_v2_block,
+    "mobilenet_v3_small_op": lambda **kw: mobilenet_v3_small_like(hardswish_form="op", **kw),
+    "mobilenet_v3_small_hardsigmoid_mul": lambda **kw: mobilenet_v3_small_like(
+        hardswish_form="hardsigmoid_mul", opset=13, **kw
+    ),
+    "mobilenet_v3_small_clip_div": lambda **kw: mobilenet_v3_small_like(hardswish_form="clip_div", **kw),
 }
 """Every builder by name; each compiles with ``--input-shape input=1,3,IMAGE,IMAGE``."""
