@@ -48,8 +48,18 @@ log = logging.getLogger(__name__)
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, tvm.IRModule]
 TargetLike = Union[str, Mapping[str, Any], tvm.target.Target]
 
-_ACTIVATION_NAMES = {"Relu": "relu", "Clip": "clip", "LeakyRelu": "leakyrelu", "SiLU": "silu"}
-_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul"}
+_ACTIVATION_NAMES = {
+    "Relu": "relu",
+    "Clip": "clip",
+    "LeakyRelu": "leakyrelu",
+    "SiLU": "silu",
+    "Sigmoid": "sigmoid",
+    "HardSigmoid": "hardsigmoid",
+    "HardSwish": "hardswish",
+    "PRelu": "prelu",
+    "Gelu": "gelu",
+}
+_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul", "gate": "gate"}
 
 
 @dataclass
