@@ -30,7 +30,7 @@ from typing import Any, Optional
 import tvm
 from tvm import relax
 
-from ._common import is_primitive, relax_functions, static_shape
+from ._ir import is_primitive, relax_functions, static_shape
 
 log = logging.getLogger(__name__)
 

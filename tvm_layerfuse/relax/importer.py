@@ -44,7 +44,7 @@ import onnx
 import tvm
 from tvm import relax
 
-from ..errors import LayerfuseError
+from ..errors import LayerfuseError, first_line
 from ..topology.graph import TopologyGraph
 from ..topology.materialize import materialize_constants
 from ..topology.onnx_reader import ModelSource, load_model, read_onnx
@@ -154,7 +154,7 @@ class _ImportFailure:
 
     @classmethod
     def of(cls, e: BaseException, model: onnx.ModelProto, *, converted: set[str]) -> "_ImportFailure":
-        detail = _first_line(e)
+        detail = first_line(e, last=True)
         nodes = list(model.graph.node)
         if isinstance(e, tvm.error.OpNotImplemented):
             ops = [op.strip() for op in detail.split(":", 1)[-1].split(",")]
@@ -220,18 +220,15 @@ def _onnxruntime_refusal(model: onnx.ModelProto) -> Optional[str]:
     """None when onnxruntime is not installed, "" when it accepts ``model`` (builds a session:
     every op known, types consistent), else its first error line. (Running it would need
     inputs that are valid data, which a made-up seeded input need not be.)"""
-    try:
-        import onnxruntime as ort
-    except ImportError:
+    from ..topology import reference
+
+    if not reference.available():
         return None
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 4
     try:
         with _native_output_to_log("onnxruntime"):
-            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            reference.session(model)
     except Exception as e:
-        return _first_line(e).removeprefix("[ONNXRuntimeError] : ")[:200]
+        return first_line(e).removeprefix("[ONNXRuntimeError] : ")[:200]
     return ""
 
 
@@ -254,12 +251,6 @@ def _native_output_to_log(what: str):
             text = printed.getvalue() + captured.read().decode("utf-8", "replace")
     if text.strip():
         log.debug("%s said:\n%s", what, text.rstrip())
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [l for l in text.splitlines() if l.strip()]
-    return lines[-1] if lines else type(e).__name__
 
 
 # ---------------------------------------------------------------------- ONNX rewrites
@@ -365,8 +356,8 @@ def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def _is_topi_binary(func: tvm.tirx.PrimFunc, name: str, a: relax.Expr, b: relax.Expr) -> bool:
-    from tvm import te, tirx, topi
     import tvm_ffi
+    from tvm import te, tirx, topi
 
     shapes = []
     for e in (a, b):

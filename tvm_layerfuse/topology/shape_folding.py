@@ -36,7 +36,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..errors import GraphError
+from ..errors import GraphError, first_line
+from . import reference
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def fold_static_shapes(
     try:
         folded = _fold_shape_cone(model)
     except Exception as e:  # the optimizer is a library: a failure there leaves the model as it was
-        log.warning("model %s: folding its shape arithmetic failed (%s); importing it unfolded", label, _first_line(e))
+        log.warning("model %s: folding its shape arithmetic failed (%s); importing it unfolded", label, first_line(e))
         return model, None
     report = _describe(model, folded, _shape_cone(model))
     if check:
@@ -166,25 +167,23 @@ def _describe(before: onnx.ModelProto, after: onnx.ModelProto, cone: set[str]) -
 def _check_against_original(
     original: onnx.ModelProto, folded: onnx.ModelProto, report: ShapeFolding, *, label: str, seed: int
 ) -> None:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
+    if not reference.available():
         report.not_checked_because = "onnxruntime is not installed"
         return
-    from ..testing.checks import run_onnxruntime
+    run_onnxruntime = reference.run_onnxruntime
 
     feeds = seeded_feeds(original, seed=seed)
     try:
         expected = run_onnxruntime(original, feeds)
     except Exception as e:  # the importer's error will say more if the model is broken
-        report.not_checked_because = f"onnxruntime cannot run the original: {_first_line(e)}"
+        report.not_checked_because = f"onnxruntime cannot run the original: {first_line(e)}"
         return
     try:
         got = run_onnxruntime(folded, feeds)
     except Exception as e:
         raise GraphError(
             f"folding the shape arithmetic of model {label!r} gave a model onnxruntime cannot run "
-            f"({_first_line(e)}); expected an equivalent model - report the model"
+            f"({first_line(e)}); expected an equivalent model - report the model"
         ) from None
     worst = 0.0
     for out, a, b in zip(original.graph.output, expected, got):
@@ -233,8 +232,3 @@ def seeded_feeds(model: onnx.ModelProto, *, seed: int = 0) -> dict[str, np.ndarr
         else:
             feeds[vi.name] = rng.integers(0, 4, shape).astype(dtype)
     return feeds
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return (lines[0] if lines else type(e).__name__)[:300]
