@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 PREFIX = "layerfuse_conv2d"
 ACTIVATIONS = ("relu", "clip", "leakyrelu", "silu", "sigmoid", "hardsigmoid", "hardswish", "prelu", "gelu")
 RESIDUALS = {"add": "relax.add", "mul": "relax.multiply", "gate": "relax.multiply"}
+# (plan, group) activations that are the same function once FoldAffineIntoConv2D has run:
+# HardSigmoid is clip(a*z + b, 0, 1), and when the conv's chain folds (it has a BatchNorm),
+# a*z + b folds into the conv's weight and bias like any per-channel affine op.
+SAME_ACTIVATION = {("hardsigmoid", "clip")}
 # The residual kinds applied after the activation (the others come before it).
 AFTER_ACTIVATION = ("gate",)
 
@@ -83,7 +87,13 @@ def _activation_patterns(z: DFPattern) -> dict[str, list[tuple[DFPattern, dict[s
     lo, hi = wildcard(), wildcard()
     lo1, hi1 = wildcard(), wildcard()
     sig = is_op("relax.sigmoid")(z)
-    mul, div, add = is_op("relax.multiply"), is_op("relax.divide"), is_op("relax.add")
+    div = is_op("relax.divide")
+
+    def mul(a: DFPattern, b: DFPattern) -> DFPattern:  # either operand order (importers differ)
+        return is_op("relax.multiply")(a, b) | is_op("relax.multiply")(b, a)
+
+    def add(a: DFPattern, b: DFPattern) -> DFPattern:
+        return is_op("relax.add")(a, b) | is_op("relax.add")(b, a)
 
     def clipped(e: DFPattern) -> DFPattern:  # R.clip, or minimum(maximum()) of a Clip with inputs
         return is_op("relax.clip")(e, wildcard(), wildcard()) | is_op("relax.minimum")(
@@ -284,7 +294,7 @@ class FuseConv2DEpilogue:
                 return f"the fusion plan has no epilogue for the conv with weight {weights}"
             if spec.residual != residual:
                 return f"the plan merges element-wise op {spec.residual!r}, this group {residual!r}"
-            if spec.activation != activation:
+            if spec.activation != activation and (spec.activation, activation) not in SAME_ACTIVATION:
                 return f"the plan merges activation {spec.activation!r}, this group {activation!r}"
         return None
 
