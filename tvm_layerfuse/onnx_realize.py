@@ -174,8 +174,8 @@ class _Writer:
             out = final if (final is not None and k == len(entries) - 1) else f"{layer.name}::e{k}"
             name = f"{layer.name}::{e['op']}{k}"
             op = e["op"]
-            if e["role"] in ("residual", "multiply", "gate"):
-                kind = "Add" if e["role"] == "residual" else "Mul"
+            if e["role"] in ("residual", "multiply", "gate", "post_add"):
+                kind = "Add" if e["role"] in ("residual", "post_add") else "Mul"
                 self.nodes.append(helper.make_node(kind, [y, e["extra_input"]], [out], name=name))
             elif op == "Relu":
                 self.nodes.append(helper.make_node("Relu", [y], [out], name=name))

@@ -4,6 +4,7 @@ The group, per output element (NCHW shown; the fusion itself is layout-agnostic)
 
     y = act( conv2d(x, W) [+ b]  [+ r | * r] )        residual / multiply
     y = act( conv2d(x, W) [+ b] ) * g                  gate (squeeze-and-excitation)
+    y = act( conv2d(x, W) [+ b] ) + r                  post_add (YOLO's bottleneck shortcut)
 
 * ``b``: a compile-time operand (the bias, or the folded BatchNorm shift);
 * ``r``: a run-time operand, the *extra input* of the element-wise merge (the ResNet
@@ -51,13 +52,13 @@ log = logging.getLogger(__name__)
 
 PREFIX = "layerfuse_conv2d"
 ACTIVATIONS = ("relu", "clip", "leakyrelu", "silu", "sigmoid", "hardsigmoid", "hardswish", "prelu", "gelu")
-RESIDUALS = {"add": "relax.add", "mul": "relax.multiply", "gate": "relax.multiply"}
+RESIDUALS = {"add": "relax.add", "mul": "relax.multiply", "gate": "relax.multiply", "post_add": "relax.add"}
 # (plan, group) activations that are the same function once FoldAffineIntoConv2D has run:
 # HardSigmoid is clip(a*z + b, 0, 1), and when the conv's chain folds (it has a BatchNorm),
 # a*z + b folds into the conv's weight and bias like any per-channel affine op.
 SAME_ACTIVATION = {("hardsigmoid", "clip")}
 # The residual kinds applied after the activation (the others come before it).
-AFTER_ACTIVATION = ("gate",)
+AFTER_ACTIVATION = ("gate", "post_add")
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def _chain_patterns(bias: bool, residual: Optional[str], activation: Optional[st
         z = is_op(RESIDUALS[residual])(z, r)
         notes.update(residual=r, residual_op=z)
     if activation is None:
-        if residual in AFTER_ACTIVATION:  # a gate without an activation
+        if residual == "gate":  # a gate without an activation
             r = wildcard()
             z = is_op(RESIDUALS[residual])(z, r)
             notes.update(residual=r, residual_op=z)
@@ -170,7 +171,8 @@ def _chain_patterns(bias: bool, residual: Optional[str], activation: Optional[st
     for pattern, extra in _activation_patterns(z)[activation]:
         if residual in AFTER_ACTIVATION:
             r = wildcard()
-            gated = is_op(RESIDUALS[residual])(pattern, r)
+            op = is_op(RESIDUALS[residual])
+            gated = op(pattern, r) | op(r, pattern)  # exporters write either operand order
             yield gated, {**notes, **extra, "residual": r, "residual_op": gated}
         else:
             yield pattern, {**notes, **extra}
@@ -271,7 +273,7 @@ class FuseConv2DEpilogue:
             return "the conv2d output shape is not static"
         for var in inside:
             shape = static_shape(var)
-            if residual in AFTER_ACTIVATION and var.same_as(root_var):
+            if residual == "gate" and var.same_as(root_var):
                 gate = static_shape(notes["residual"])
                 if not _is_gate(out_shape, gate) or shape != gate:
                     return f"the gate {list(gate) if gate else '?'} is not a [N, C, ...] map of the conv's [N, C, 1, 1]"

@@ -61,7 +61,7 @@ _ACTIVATION_NAMES = {
     "PRelu": "prelu",
     "Gelu": "gelu",
 }
-_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul", "gate": "gate"}
+_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul", "gate": "gate", "post_add": "post_add"}
 
 
 @dataclass

@@ -16,7 +16,10 @@ per-channel vector the conv computed (``[N, C, 1, 1]``, its activation already a
 
 The conv's result is broadcast over H×W inside the kernel, so the gate vector is never
 written to memory. A Mul after a conv whose epilogue already ends in an activation is a
-gate too (same shapes, e.g. at 1×1 spatial size); an Add after one is refused. When
+gate too (same shapes, e.g. at 1×1 spatial size). An Add of the same shape after an activated
+conv is a *post-activation add* (YOLO's bottleneck ``x + cv2(cv1(x))`` with SiLU convs)::
+
+    z = Add(act(Conv(x)), r)  ->  z = act(Conv(x) + b) + r      one kernel; r is the extra input When
 ``r`` has no reader after the fused layer (and is neither a graph input nor output), the
 result may overwrite ``r``'s buffer in place; the plan records whether that is allowed.
 When both operands are produced by such convs, the later one (in graph order) absorbs the
@@ -89,9 +92,10 @@ class EltwiseEpilogue(Template):
                     continue
                 options.append((order[conv.name], conv, other))
                 continue
-            if activated:
+            if activated and (op.op_type != "Add" or graph.tensor(t).shape != out_shape):
                 reasons.append(
-                    f"conv {conv.name!r} already ends in an activation; only a multiply (a gate) follows it in the epilogue"
+                    f"conv {conv.name!r} already ends in an activation; only a multiply (a gate) or an add of "
+                    "the same shape follows it in the epilogue"
                 )
                 continue
             if out_shape is None or graph.tensor(t).shape != out_shape:
@@ -115,12 +119,13 @@ class EltwiseEpilogue(Template):
         gate = op.op_type == "Mul" and (
             _has_activation(conv) or is_gate(graph, conv_out, other, graph.tensor(op.outputs[0]).shape)
         )
-        role = "gate" if gate else "residual" if op.op_type != "Mul" else "multiply"
+        post_add = op.op_type == "Add" and _has_activation(conv)
+        role = "gate" if gate else "post_add" if post_add else "residual" if op.op_type != "Mul" else "multiply"
         epilogue.append(epilogue_entry(op, role, extra_input=other))
         out = op.outputs[0]
         nxt = graph.sole_consumer(out)
         activation = None
-        if nxt is not None and nxt.op_type in SINGLE_ACTIVATIONS and not gate:
+        if nxt is not None and nxt.op_type in SINGLE_ACTIVATIONS and not gate and not post_add:
             act = activation_of(graph, nxt, out)
             if act is not None:
                 params = {k: v for k, v in act.items() if k not in ("op", "layers")}
@@ -146,7 +151,7 @@ class EltwiseEpilogue(Template):
         graph.replace(absorbed, [layer])
         details = {
             "conv": conv.name,
-            "op": "gate" if gate else op.op_type,
+            "op": "gate" if gate else "post_add" if post_add else op.op_type,
             "extra_input": other,
             "activation": activation,
             "overwrite_extra_input": overwrite,

@@ -17,6 +17,9 @@ see :mod:`._builder`). No PyTorch is needed.
 * :func:`mobilenet_v3_small_like` - torchvision's MobileNetV3-small: HardSwish (the op,
   ``x * HardSigmoid(x)`` or ``x * Clip(x + 3, 0, 6) / 6``), squeeze-and-excitation gates
   with HardSigmoid, depthwise convs;
+* :func:`yolo_like` - a YOLOv8-style detector: C2f split/concat blocks with SiLU, SPPF
+  max-pool concat, upsample + concat, a head whose reshapes and anchor points are
+  computed from shapes;
 
 Every builder takes ``batch``, ``image``, ``seed`` and ``opset`` keywords and declares
 the batch dimension dynamic (``"N"``), as ``dynamic_axes`` exports do: compile them with
@@ -34,7 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._builder import NetBuilder, check_options
 
-__all__ = ["BUILDERS", "dynamic_batch", "flatten_head", "mobilenet_v3_small_like", "shufflenet_v2_block"]
+__all__ = ["BUILDERS", "dynamic_batch", "flatten_head", "mobilenet_v3_small_like", "shufflenet_v2_block", "yolo_like"]
 
 
 def _start(
@@ -340,6 +343,151 @@ def mobilenet_v3_small_like(
     return dynamic_batch(b.build({"output": out}, doc=f"mobilenet_v3_small_like width={width} hardswish={hardswish_form}"))
 
 
+# ---------------------------------------------------------------------- YOLO-style detector
+def yolo_like(
+    *,
+    batch: int = 1,
+    image: int = 64,
+    width: int = 8,
+    num_classes: int = 4,
+    seed: int = 0,
+    opset: int = 13,
+) -> onnx.ModelProto:
+    """A YOLOv8-style detector as ``export(format="onnx")`` writes it (BatchNorm fused into the
+    convs, SiLU as ``Mul(x, Sigmoid(x))``), at ``width`` base channels.
+
+    Backbone: Conv/2 -> Conv/2 -> C2f -> Conv/2 -> C2f -> Conv/2 -> C2f -> SPPF. C2f: cv1 1x1
+    -> ``Split`` into halves -> bottlenecks (3x3, 3x3, + shortcut) on the last piece ->
+    ``Concat`` of all pieces -> cv2 1x1. SPPF: cv1 -> three MaxPool 5x5 -> ``Concat`` -> cv2.
+    Neck: ``Resize`` x2 (nearest) + ``Concat`` with the backbone feature -> C2f, twice.
+    Head (two levels, strides 8 and 16): box and class branches -> ``Concat`` -> a
+    ``Reshape`` to ``[N, no, h*w]`` whose target is computed from ``Shape``; anchor points
+    computed from the feature map's shape (``Shape -> Gather -> Range -> Expand ...``);
+    boxes decoded ``(anchor ± distance) * stride``, classes through ``Sigmoid``. Output
+    ``[N, 4 + num_classes, A]``.
+    """
+    b, x = _start("yolo_like", batch=batch, image=image, seed=seed, opset=opset, bn="folded")
+    s = _Shapes(b)
+    if image % 16:
+        raise ValueError(f"image={image}; expected a multiple of 16 (the detector downsamples 16x)")
+
+    def conv(y: str, cout: int, k: int = 1, stride: int = 1, *, name) -> str:
+        with b.scope(name):
+            y = b.conv_bn(y, cout, k, stride=stride, pad=k // 2, conv_scope="conv", bn_scope="bn", eps=1e-3)
+            with b.scope("act"):
+                return b.silu(y)
+
+    def c2f(y: str, cout: int, n: int, shortcut: bool, *, name) -> str:
+        with b.scope(name):
+            c = cout // 2
+            y = conv(y, 2 * c, 1, name="cv1")
+            nb, _, h, w = b.shapes[y]
+            sizes = b.initializer(b._anon("Constant"), np.array([c, c], np.int64))
+            pieces = list(b.node("Split", [y, sizes], [(nb, c, h, w)] * 2, axis=1))
+            for i in range(n):
+                with b.scope("m", i):
+                    z = conv(pieces[-1], c, 3, name="cv1")
+                    z = conv(z, c, 3, name="cv2")
+                    if shortcut:
+                        z = b.add(pieces[-1], z)
+                pieces.append(z)
+            return conv(b.concat(pieces), cout, 1, name="cv2")
+
+    def sppf(y: str, cout: int, *, name) -> str:
+        with b.scope(name):
+            c = b.shapes[y][1] // 2
+            y = conv(y, c, 1, name="cv1")
+            with b.scope("m"):
+                p1 = b.maxpool(y, 5, 1, 2)
+                p2 = b.maxpool(p1, 5, 1, 2)
+                p3 = b.maxpool(p2, 5, 1, 2)
+            return conv(b.concat([y, p1, p2, p3]), cout, 1, name="cv2")
+
+    def upsample(y: str, *, name) -> str:
+        nb, c, h, w = b.shapes[y]
+        with b.scope(name):
+            scales = b.constant(np.array([1, 1, 2, 2], np.float32), node=True)
+            return b.node("Resize", [y, "", scales], [(nb, c, 2 * h, 2 * w)], mode="nearest",
+                          coordinate_transformation_mode="asymmetric", nearest_mode="floor")[0]
+
+    c = width
+    with b.scope("model"):
+        x = conv(x, c, 3, 2, name=0)
+        x = conv(x, 2 * c, 3, 2, name=1)
+        x = c2f(x, 2 * c, 1, True, name=2)
+        x = conv(x, 4 * c, 3, 2, name=3)
+        p3 = c2f(x, 4 * c, 1, True, name=4)
+        x = conv(p3, 8 * c, 3, 2, name=5)
+        x = c2f(x, 8 * c, 1, True, name=6)
+        p4 = sppf(x, 8 * c, name=7)
+        x = b.concat([upsample(p4, name=8), p3])
+        n3 = c2f(x, 4 * c, 1, False, name=9)
+        x = conv(n3, 4 * c, 3, 2, name=10)
+        n4 = c2f(b.concat([x, p4]), 8 * c, 1, False, name=11)
+        outs = []
+        anchors, strides = [], []
+        no = 4 + num_classes
+        with b.scope(12):
+            for i, (feat, stride) in enumerate(((n3, 8), (n4, 16))):
+                with b.scope("cv2", i):
+                    box = conv(conv(feat, 2 * c, 3, name=0), 2 * c, 3, name=1)
+                    with b.scope(2):
+                        box = b.conv(box, 4, 1)
+                with b.scope("cv3", i):
+                    cls = conv(conv(feat, 2 * c, 3, name=0), 2 * c, 3, name=1)
+                    with b.scope(2):
+                        cls = b.conv(cls, num_classes, 1)
+                y = b.concat([box, cls])
+                nb, _, h, w = b.shapes[y]
+                shp = s.shape(y)
+                outs.append(s.reshape(y, s.vector([s.dim(shp, 0), no, -1]), (nb, no, h * w)))
+                a, st = _anchor_points(b, s, y, stride)
+                anchors.append(a)
+                strides.append(st)
+            x_cat = b.concat(outs, axis=2)
+            total = b.shapes[x_cat][2]
+            anchor = b.node("Transpose", [b.concat(anchors, axis=0)], [(2, total)], perm=[1, 0])[0]
+            stride_t = b.node("Transpose", [b.concat(strides, axis=0)], [(1, total)], perm=[1, 0])[0]
+            sizes = b.initializer(b._anon("Constant"), np.array([4, num_classes], np.int64))
+            box, cls = b.node("Split", [x_cat, sizes], [(batch, 4, total), (batch, num_classes, total)], axis=1)
+            half = b.initializer(b._anon("Constant"), np.array([2, 2], np.int64))
+            lt, rb = b.node("Split", [box, half], [(batch, 2, total)] * 2, axis=1)
+            x1y1 = b.binary("Sub", anchor, lt)
+            x2y2 = b.add(anchor, rb)
+            c_xy = b.binary("Div", b.add(x1y1, x2y2), b.constant(2.0))
+            wh = b.binary("Sub", x2y2, x1y1)
+            dbox = b.mul(b.concat([c_xy, wh]), stride_t)
+            out = b.concat([dbox, b.sigmoid(cls)])
+    return dynamic_batch(b.build({"output": out}, doc=f"yolo_like image={image} width={width}"))
+
+
+def _anchor_points(b: NetBuilder, s: _Shapes, feat: str, stride: int) -> tuple[str, str]:
+    """``make_anchors`` as traced with dynamic sizes: cell centres ``[h*w, 2]`` (x, y) and
+    strides ``[h*w, 1]``, computed from ``Shape(feat)``."""
+    _, _, h, w = b.shapes[feat]
+    shp = s.shape(feat)
+    hh, ww = s.dim(shp, 2), s.dim(shp, 3)
+    f = TensorProto.FLOAT
+
+    def centres(n: str, size: int) -> str:
+        r = b.node("Range", [s.const(0), n, s.const(1)], [(size,)])[0]
+        return b.add(b.node("Cast", [r], [(size,)], to=f)[0], b.constant(0.5, node=True))
+
+    sx = b.node("Unsqueeze", [centres(ww, w), s.const([0])], [(1, w)])[0]
+    sy = b.node("Unsqueeze", [centres(hh, h), s.const([1])], [(h, 1)])[0]
+    hw = s.vector([hh, ww])
+    gx = b.node("Expand", [sx, hw], [(h, w)])[0]
+    gy = b.node("Expand", [sy, hw], [(h, w)])[0]
+    gx = b.node("Unsqueeze", [gx, s.const([-1])], [(h, w, 1)])[0]
+    gy = b.node("Unsqueeze", [gy, s.const([-1])], [(h, w, 1)])[0]
+    grid = b.concat([gx, gy], axis=-1)
+    points = s.reshape(grid, s.const([-1, 2]), (h * w, 2))
+    count = s.vector([s.binary("Mul", hh, ww), 1])
+    strides = b.node("ConstantOfShape", [count], [(h * w, 1)],
+                     value=numpy_helper.from_array(np.array([float(stride)], np.float32)))[0]
+    return points, strides
+
+
 BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
     "flatten_head_gather": lambda **kw: flatten_head(form="gather", **kw),
     "flatten_head_reduceprod": lambda **kw: flatten_head(form="reduceprod", **kw),
@@ -349,5 +497,6 @@ BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
         hardswish_form="hardsigmoid_mul", opset=13, **kw
     ),
     "mobilenet_v3_small_clip_div": lambda **kw: mobilenet_v3_small_like(hardswish_form="clip_div", **kw),
+    "yolo_like": yolo_like,
 }
 """Every builder by name; each compiles with ``--input-shape input=1,3,IMAGE,IMAGE``."""

@@ -1,0 +1,43 @@
+"""A plan never costs more kernels than TVM's default pipeline.
+
+For every network of the test zoo (torchvision architectures as torch exports them, BatchNorm
+kept and folded) and of the exporter-style models, ``inspect --compile``'s counter
+(:func:`tvm_layerfuse.compile.report.compare`: both sides lowered through TVM's pipeline,
+layerfuse with its lowering passes) finds no more kernel launches per inference with
+layerfuse than with TVM's default. Where the plan cannot express a chain, TVM's fusion must
+still apply to it (``relax/absorb_elementwise.py``).
+
+Two networks run in the default suite (the ones whose plans stopped FuseOps before:
+MobileNetV3-small and EfficientNet exported with BatchNorm folded); the sweep is slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tvm_layerfuse.compile.report import compare
+from tvm_layerfuse.testing import exporters, zoo
+
+IMAGE = 32
+FAST = {"mobilenet_v3_small_op", "efficientnet_like_bn_folded"}
+
+
+def _zoo(name: str, bn: str):
+    kwargs = {"seed": 1, "bn": bn}
+    if name != "inception_v3":
+        kwargs["image"] = IMAGE
+    return zoo.BUILDERS[name](**kwargs)
+
+
+MODELS = {f"{n}_bn_{bn}": (lambda n=n, bn=bn: _zoo(n, bn)) for n in zoo.BUILDERS for bn in ("separate", "folded")}
+MODELS.update({n: (lambda n=n: exporters.BUILDERS[n](seed=1)) for n in exporters.BUILDERS})
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in sorted(MODELS)])
+def test_layerfuse_never_launches_more_kernels_than_tvm_default(name):
+    model = MODELS[name]()
+    shape = [1] + [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim][1:]
+    report = compare(model, input_shapes={"input": shape})
+    default, ours = report["default"], report["layerfuse"]
+    assert ours["kernels"] <= default["kernels"], (name, default["kernels"], ours["kernels"])
+    assert ours["bytes_written"] <= default["bytes_written"], (name, default["bytes_written"], ours["bytes_written"])
