@@ -157,11 +157,27 @@ def test_squeeze_excitation_gate_is_an_epilogue_input(gate_act, spatial):
     assert check["eltwise_merged"]["plan"] == check["eltwise_merged"]["relax"] == 1
 
 
-def test_add_after_an_activated_conv_is_refused_with_the_reason():
+def test_add_after_an_activated_conv_is_a_post_activation_add():
+    """YOLO's bottleneck: x + SiLU(conv(x)) - the add joins the conv's epilogue after the activation."""
     n = Net(seed=9, opset=13)
     x = n.input("x", (1, 4, 6, 6))
+    c = n.conv(x, 4, name="c")
+    y = n.node("Add", [x, n.node("Mul", [c, n.node("Sigmoid", [c], name="sig")], name="silu")], name="add")
+    model = n.build([n.conv(y, 4, name="next")])
+    p = assert_realizes(model)
+    group = next(iter(p.groups_of("eltwise")))
+    assert group.details["op"] == "post_add" and group.details["extra_input"] == "x"
+    assert [e["role"] for e in p.second.layer("c").fused["epilogue"]] == ["activation", "post_add"]
+    result, fused, default = compile_and_compare(model)
+    assert "layerfuse_conv2d_bias_silu_post_add" in fused.names, fused.names
+    assert fused.launches == 2 <= default.launches
+
+
+def test_add_that_broadcasts_an_activated_conv_output_is_refused_with_the_reason():
+    n = Net(seed=9, opset=13)
+    x = n.input("x", (1, 4, 1, 1))
     r = n.input("r", (1, 4, 6, 6))
-    y = n.node("Add", [n.relu(n.conv(x, 4, name="c"), name="act"), r], name="add")
+    y = n.node("Add", [n.relu(n.conv(x, 4, k=1, name="c"), name="act"), r], shape=(1, 4, 6, 6), name="add")
     p = assert_realizes(n.build([y]))
     refusal = next(r for r in p.refusals_of("eltwise"))
-    assert "conv 'c' already ends in an activation" in refusal.reason
+    assert "conv 'c' already ends in an activation; only a multiply (a gate) or an add of the same shape" in refusal.reason
