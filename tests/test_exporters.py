@@ -5,6 +5,10 @@ runtime, equal to onnxruntime (fp32, rel. err <= 1e-4), fused and unfused alike.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -98,7 +102,14 @@ def _compile_and_run(tmp_path, name: str, model: onnx.ModelProto, shape, *, seed
         art = tmp_path / f"{name}.{kind}"
         assert cli.main(["-q", "compile", str(path), "--input-shape", flag, "-o", str(art), *extra]) == 0
         y = tmp_path / f"{kind}.npz"
-        assert cli.main(["-q", "run", str(art), "--input", str(tmp_path / "x.npy"), "--output", str(y)]) == 0
+        # the runtime only: TVM's runtime library, no compiler
+        env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "tvm_layerfuse", "-q", "run", str(art), "--input", str(tmp_path / "x.npy"),
+             "--output", str(y)],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
         outs[kind] = dict(np.load(y))
     expected = dict(zip([o.name for o in model.graph.output], run_ort(model, {"input": x})))
     return expected, outs
@@ -115,12 +126,59 @@ def _assert_equal(expected, outs):
 
 @pytest.mark.parametrize(
     "name,batch",
-    [("flatten_head_reduceprod", 2), ("shufflenet_v2_block", 1)],
+    [("flatten_head_reduceprod", 2), pytest.param("shufflenet_v2_block", 1, marks=pytest.mark.slow)],
 )
 def test_shape_computing_models_compile_from_the_cli(tmp_path, name, batch):
     model = exporters.BUILDERS[name](seed=5)
     expected, outs = _compile_and_run(tmp_path, name, model, (batch, 3, IMAGE, IMAGE))
     # live weights: two different inputs give clearly different outputs
     other = run_ort(model, {"input": np.ones((batch, 3, IMAGE, IMAGE), np.float32)})[0]
+    assert rel_err(expected["output"], other) > 0.05
+    _assert_equal(expected, outs)
+
+
+def _kernels(tmp_path, model, shape) -> dict:
+    """``inspect --compile --json``'s kernel and byte counts, default vs layerfuse."""
+    import json
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    buf = StringIO()
+    with redirect_stdout(buf):
+        assert cli.main(["-q", "inspect", str(path), "--input-shape", "input=" + ",".join(map(str, shape)),
+                         "--plan-only", "--compile", "--json"]) == 0  # fmt: skip
+    return json.loads(buf.getvalue())
+
+
+@pytest.mark.parametrize(
+    "form",
+    [pytest.param(f, marks=pytest.mark.slow) for f in ("op", "hardsigmoid_mul", "clip_div")],
+)
+def test_mobilenet_v3_small_every_conv_chain_is_one_kernel(tmp_path, form):
+    """HardSwish (op or written out), HardSigmoid SE gates, depthwise convs: every
+    conv + BN + HardSwish/ReLU (+ SE gate) is one kernel, never more kernels than TVM's default."""
+    model = exporters.mobilenet_v3_small_like(hardswish_form=form, opset=13 if form == "hardsigmoid_mul" else 14, seed=2)
+    shape = (1, 3, 32, 32)
+    report = _kernels(tmp_path, model, shape)
+    convs = sum(1 for layer in read_onnx(model, input_shapes={"input": list(shape)}) if layer.op_type == "Conv")
+    default, ours = report["compiled"]["default"], report["compiled"]["layerfuse"]
+    assert ours["conv_kernels"] == convs  # one kernel per conv chain
+    # the other kernels: the SE means, the classifier's two Gemms (+ HardSwish), the final pooling
+    assert ours["kernels"] <= default["kernels"] and ours["bytes_written"] <= default["bytes_written"]
+    gates = [g for g in report["groups"] if g["kind"] == "eltwise" and g["details"]["op"] == "gate"]
+    assert len(gates) == 9  # one per squeeze-and-excitation block
+    expected, outs = _compile_and_run(tmp_path, "mnv3", model, shape, seed=1)
+    _assert_equal(expected, outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["yolo_like", "fpn_segmentation"])
+def test_detection_and_segmentation_heads_compile_from_the_cli(tmp_path, name):
+    model = exporters.BUILDERS[name](seed=4)
+    image = 64 if name == "yolo_like" else 32
+    expected, outs = _compile_and_run(tmp_path, name, model, (1, 3, image, image), seed=2)
+    other = run_ort(model, {"input": np.zeros((1, 3, image, image), np.float32)})[0]
     assert rel_err(expected["output"], other) > 0.05
     _assert_equal(expected, outs)

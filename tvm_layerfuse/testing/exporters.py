@@ -20,6 +20,8 @@ see :mod:`._builder`). No PyTorch is needed.
 * :func:`yolo_like` - a YOLOv8-style detector: C2f split/concat blocks with SiLU, SPPF
   max-pool concat, upsample + concat, a head whose reshapes and anchor points are
   computed from shapes;
+* :func:`fpn_segmentation` - an FPN segmentation head: ``Resize`` to sizes computed from
+  shapes, ``ConvTranspose`` upsampling, a bilinear ``Resize`` back to the input size;
 
 Every builder takes ``batch``, ``image``, ``seed`` and ``opset`` keywords and declares
 the batch dimension dynamic (``"N"``), as ``dynamic_axes`` exports do: compile them with
@@ -37,7 +39,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._builder import NetBuilder, check_options
 
-__all__ = ["BUILDERS", "dynamic_batch", "flatten_head", "mobilenet_v3_small_like", "shufflenet_v2_block", "yolo_like"]
+__all__ = [
+    "BUILDERS",
+    "dynamic_batch",
+    "flatten_head",
+    "fpn_segmentation",
+    "mobilenet_v3_small_like",
+    "shufflenet_v2_block",
+    "yolo_like",
+]
 
 
 def _start(
@@ -488,6 +498,78 @@ def _anchor_points(b: NetBuilder, s: _Shapes, feat: str, stride: int) -> tuple[s
     return points, strides
 
 
+# ---------------------------------------------------------------------- FPN / segmentation
+def fpn_segmentation(
+    *,
+    batch: int = 1,
+    image: int = 32,
+    width: int = 8,
+    num_classes: int = 5,
+    seed: int = 0,
+    opset: int = 13,
+) -> onnx.ModelProto:
+    """An FPN segmentation net as torchvision-style code exports it with dynamic sizes.
+
+    Backbone Conv-BN-ReLU/2 x3 (C2, C3, C4); lateral 1x1 convs; top-down path
+    ``P3 = L3 + Resize(P4, sizes=Shape(L3)[2:])`` (``F.interpolate(size=...)``: nearest,
+    target computed from shapes) and ``P2 = L2 + ConvTranspose(P3)`` (stride 2); head
+    Conv-BN-ReLU -> ConvTranspose x2 -> 1x1 classes -> ``Resize`` bilinear to the input's
+    size (computed from ``Shape(input)``).
+    """
+    b, x = _start("fpn_segmentation", batch=batch, image=image, seed=seed, opset=opset)
+    s = _Shapes(b)
+    if image % 8:
+        raise ValueError(f"image={image}; expected a multiple of 8")
+
+    def cbr(y: str, cout: int, k: int, stride: int, *, name) -> str:
+        with b.scope(name):
+            return b.relu(b.conv_bn(y, cout, k, stride=stride, pad=k // 2))
+
+    def sizes_of(ref: str) -> str:  # Shape(ref)[2:] as Resize's "sizes" with N, C of the input kept
+        shp = s.shape(ref)
+        return b.node("Slice", [shp, s.const([2]), s.const([4])], [(2,)])[0]
+
+    def resize(y: str, ref: str, mode: str, out_hw) -> str:
+        nb, c = b.shapes[y][:2]
+        shp = s.shape(y)
+        head = b.node("Slice", [shp, s.const([0]), s.const([2])], [(2,)])[0]
+        target = b.node("Concat", [head, sizes_of(ref)], [(4,)], axis=0)[0]
+        attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric" if mode == "nearest" else "half_pixel"}
+        if mode == "nearest":
+            attrs["nearest_mode"] = "floor"
+        return b.node("Resize", [y, "", "", target], [(nb, c, *out_hw)], **attrs)[0]
+
+    def deconv(y: str, cout: int, *, name) -> str:
+        nb, cin, h, w = b.shapes[y]
+        with b.scope(name):
+            wgt = b.param("weight", b.he_weight(cin, cout, 2, 2))  # ConvTranspose: [C_in, C_out, kh, kw]
+            bias = b.param("bias", b.uniform_bias(cout, cin * 4))
+            return b.node("ConvTranspose", [y, wgt, bias], [(nb, cout, 2 * h, 2 * w)], kernel_shape=[2, 2],
+                          strides=[2, 2], pads=[0, 0, 0, 0], dilations=[1, 1], group=1)[0]
+
+    c = width
+    with b.scope("backbone"):
+        c2 = cbr(x, c, 3, 2, name="layer1")
+        c3 = cbr(c2, 2 * c, 3, 2, name="layer2")
+        c4 = cbr(c3, 4 * c, 3, 2, name="layer3")
+    with b.scope("fpn"):
+        with b.scope("inner", 0):
+            l2 = b.conv(c2, c, 1)
+        with b.scope("inner", 1):
+            l3 = b.conv(c3, c, 1)
+        with b.scope("inner", 2):
+            p4 = b.conv(c4, c, 1)
+        p3 = b.add(l3, resize(p4, l3, "nearest", b.shapes[l3][2:]))
+        p2 = b.add(l2, deconv(p3, c, name="up"))
+    with b.scope("head"):
+        y = cbr(p2, c, 3, 1, name=0)
+        y = b.relu(deconv(y, c, name=1))
+        with b.scope("classifier"):
+            y = b.conv(y, num_classes, 1)
+        out = resize(y, x, "linear", (image, image))
+    return dynamic_batch(b.build({"output": out}, doc=f"fpn_segmentation image={image} width={width}"))
+
+
 BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
     "flatten_head_gather": lambda **kw: flatten_head(form="gather", **kw),
     "flatten_head_reduceprod": lambda **kw: flatten_head(form="reduceprod", **kw),
@@ -498,5 +580,6 @@ BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
     ),
     "mobilenet_v3_small_clip_div": lambda **kw: mobilenet_v3_small_like(hardswish_form="clip_div", **kw),
     "yolo_like": yolo_like,
+    "fpn_segmentation": fpn_segmentation,
 }
 """Every builder by name; each compiles with ``--input-shape input=1,3,IMAGE,IMAGE``."""
