@@ -182,3 +182,56 @@ def test_detection_and_segmentation_heads_compile_from_the_cli(tmp_path, name):
     other = run_ort(model, {"input": np.zeros((1, 3, image, image), np.float32)})[0]
     assert rel_err(expected["output"], other) > 0.05
     _assert_equal(expected, outs)
+
+
+def _constant_fill_classifier() -> onnx.ModelProto:
+    """A tiny classifier whose weights are ConstantOfShape fills, like the built-in GoogLeNet."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def fill(name, shape, value):
+        return helper.make_node(
+            "ConstantOfShape", [f"{name}_shape"], [name], name=f"{name}_fill",
+            value=numpy_helper.from_array(np.array([value], np.float32)),
+        ), numpy_helper.from_array(np.array(shape, np.int64), f"{name}_shape")  # fmt: skip
+
+    (w, ws), (g, gs) = fill("w", [8, 3, 3, 3], 0.01), fill("g", [10, 8], 0.01)
+    nodes = [
+        w, g,
+        helper.make_node("Conv", ["input", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "g"], ["logits"], name="fc", transB=1),
+        helper.make_node("Softmax", ["logits"], ["output"], name="prob", axis=1),
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "filled", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 10])], [ws, gs],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+def test_constant_fill_weights_are_explained_where_the_output_is_printed(tmp_path, capsys):
+    """The built-in GoogLeNet prints five classes at 0.0010: its weights are constant fills.
+    inspect, compile and run say so; run --compare shows the fused and unfused builds agree."""
+    path = tmp_path / "filled.onnx"
+    onnx.save(_constant_fill_classifier(), str(path))
+    assert plan(read_onnx(path)).graph_notes()[0].startswith("weights are constant fills: all 2 Conv/Gemm weights")
+    for out, extra in (("fused", []), ("plain", ["--no-fuse"])):
+        assert cli.main(["compile", str(path), "-o", str(tmp_path / out), *extra]) == 0
+    assert "note: weights are constant fills" in capsys.readouterr().out
+    assert cli.main(["run", str(tmp_path / "fused"), "--compare", str(tmp_path / "plain")]) == 0
+    printed = capsys.readouterr().out
+    assert "top-5: " in printed and "0.1000" in printed  # ten classes, all at the same probability
+    assert "note: weights are constant fills" in printed and "(1/1000 = 0.0010) - this is expected" in printed
+    line = next(l for l in printed.splitlines() if "agrees on these inputs" in l)
+    assert float(line.rsplit("relative ", 1)[1]) <= RTOL
+
+
+def test_built_in_googlenet_is_flagged():
+    from tvm_layerfuse.models import default_model
+
+    notes = plan(read_onnx(default_model())).graph_notes()
+    assert any(n.startswith("weights are constant fills: all 58 Conv/Gemm weights") for n in notes)

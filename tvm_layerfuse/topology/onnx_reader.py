@@ -172,6 +172,9 @@ class _Reader:
         meta = {"unknown_ops": sorted(f"{d or 'ai.onnx'}::{op}" for d, op in unknown)}
         if folding is not None:
             meta["shape_folding"] = folding.to_dict()
+        filled = _constant_fill_weights(layers, tensors)
+        if filled:
+            meta["constant_fill_weights"] = filled
         nonfinite = _nonfinite_constants(graph)
         if nonfinite:
             meta["nonfinite_constants"] = nonfinite
@@ -523,6 +526,24 @@ def _nonfinite_constants(graph: onnx.GraphProto) -> list[dict[str, Any]]:
         if bad:
             found.append({"name": name, "count": bad, "size": int(values.size)})
     return found
+
+
+def _constant_fill_weights(layers: list, tensors: dict) -> Optional[dict[str, int]]:
+    """``{"filled": n, "weights": m}`` when every Conv/Gemm weight is a constant fill (one value
+    repeated, as the ONNX model-zoo "light" models build them with ``ConstantOfShape``); None
+    otherwise. Such a network computes (nearly) the same output for every input.
+
+    Only weights computed by ``ConstantOfShape`` are evaluated (initializers of trained or
+    random weights never are all one value), so the check costs nothing on other models."""
+    weights = [tensors.get(l.inputs[1]) for l in layers if l.op_type in ("Conv", "Gemm") and len(l.inputs) > 1]
+    weights = [w for w in weights if w is not None and w.constant]
+    if not weights or not all("ConstantOfShape" in w.origin for w in weights):
+        return None
+    for w in weights:
+        v = w.value()
+        if v.size and not np.all(v == v.reshape(-1)[0]):
+            return None
+    return {"filled": len(weights), "weights": len(weights)}
 
 
 def _refuse_huge(label: str, name: str, shape: Sequence[Optional[int]]) -> None:
