@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from ._builder import NetBuilder, check_options
 
@@ -186,7 +186,6 @@ def shufflenet_v2_block(
     half = channels // 2
 
     def branch2(y: str, stride: int) -> str:
-        cin = b.shapes[y][1]
         with b.scope(0):
             y = b.conv(y, half, 1, bias=False)
         with b.scope(1):
@@ -199,7 +198,6 @@ def shufflenet_v2_block(
             y = b.conv(y, half, 1, bias=False)
         with b.scope(6):
             y = b.relu(b.batchnorm(y))
-        del cin
         return y
 
     with b.scope("conv1", 0):
@@ -220,10 +218,9 @@ def shufflenet_v2_block(
         x = _channel_shuffle(b, s, b.concat([y1, y2]))
     with b.scope("stage2", 1):
         n, c, h, w = b.shapes[x]
-        split = helper.make_tensor("split_sizes", TensorProto.INT64, [2], [c // 2, c // 2])
         if opset >= 13:
-            x1, x2 = b.node("Split", [x, b.initializer(b._anon("Constant"), numpy_helper.to_array(split))],
-                            [(n, c // 2, h, w)] * 2, axis=1)
+            sizes = b.initializer(b._anon("Constant"), np.array([c // 2, c // 2], np.int64))
+            x1, x2 = b.node("Split", [x, sizes], [(n, c // 2, h, w)] * 2, axis=1)
         else:
             x1, x2 = b.node("Split", [x], [(n, c // 2, h, w)] * 2, axis=1, split=[c // 2, c // 2])
         with b.scope("branch2"):
