@@ -1,7 +1,8 @@
 """A plan never costs more kernels than TVM's default pipeline.
 
 For every network of the test zoo (torchvision architectures as torch exports them, BatchNorm
-kept and folded) and of the exporter-style models, ``inspect --compile``'s counter
+kept and folded), of the ONNX model-zoo networks the onnx package ships, and of the
+exporter-style models, ``inspect --compile``'s counter
 (:func:`tvm_layerfuse.compile.report.compare`: both sides lowered through TVM's pipeline,
 layerfuse with its lowering passes) finds no more kernel launches per inference with
 layerfuse than with TVM's default. Where the plan cannot express a chain, TVM's fusion must
@@ -13,6 +14,7 @@ MobileNetV3-small and EfficientNet exported with BatchNorm folded); the sweep is
 
 from __future__ import annotations
 
+import onnx
 import pytest
 
 from tvm_layerfuse.compile.report import compare
@@ -31,13 +33,16 @@ def _zoo(name: str, bn: str):
 
 MODELS = {f"{n}_bn_{bn}": (lambda n=n, bn=bn: _zoo(n, bn)) for n in zoo.BUILDERS for bn in ("separate", "folded")}
 MODELS.update({n: (lambda n=n: exporters.BUILDERS[n](seed=1)) for n in exporters.BUILDERS})
+# the ONNX model-zoo networks the onnx package ships (224x224; constant weights count the same)
+MODELS.update({f"light_{n}": (lambda p=p: onnx.load(str(p))) for n, p in zoo.light_models().items()})
 
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in sorted(MODELS)])
 def test_layerfuse_never_launches_more_kernels_than_tvm_default(name):
     model = MODELS[name]()
-    shape = [1] + [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim][1:]
-    report = compare(model, input_shapes={"input": shape})
+    first = model.graph.input[0]
+    shape = [1] + [d.dim_value for d in first.type.tensor_type.shape.dim][1:]
+    report = compare(model, input_shapes={first.name: shape})
     default, ours = report["default"], report["layerfuse"]
     assert ours["kernels"] <= default["kernels"], (name, default["kernels"], ours["kernels"])
     assert ours["bytes_written"] <= default["bytes_written"], (name, default["bytes_written"], ours["bytes_written"])
