@@ -8,8 +8,8 @@ layerfuse with its lowering passes) finds no more kernel launches per inference 
 layerfuse than with TVM's default. Where the plan cannot express a chain, TVM's fusion must
 still apply to it (``relax/absorb_elementwise.py``).
 
-Two networks run in the default suite (the ones whose plans stopped FuseOps before:
-MobileNetV3-small and EfficientNet exported with BatchNorm folded); the sweep is slow.
+One network runs in the default suite (one whose plan stopped FuseOps before:
+MobileNetV3-small exported with BatchNorm folded: 91 kernels against 64); the sweep is slow.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tvm_layerfuse.compile.report import compare
 from tvm_layerfuse.testing import exporters, zoo
 
 IMAGE = 32
-FAST = {"mobilenet_v3_small_op", "efficientnet_like_bn_folded"}
+FAST = {"mobilenet_v3_small_op"}
 
 
 def _zoo(name: str, bn: str):
