@@ -181,3 +181,19 @@ def test_add_that_broadcasts_an_activated_conv_output_is_refused_with_the_reason
     p = assert_realizes(n.build([y]))
     refusal = next(r for r in p.refusals_of("eltwise"))
     assert "conv 'c' already ends in an activation; only a multiply (a gate) or an add of the same shape" in refusal.reason
+
+
+def test_ops_the_plan_cannot_express_still_join_the_conv_kernel():
+    """conv -> Tanh -> x*0.5 + r: no template knows Tanh, yet TVM's default pipeline fuses it all
+    into the conv's kernel. AbsorbElementwiseConsumers does the same after the conv's group."""
+    n = Net(seed=12, opset=13)
+    x = n.input("x", (1, 4, 6, 6))
+    r = n.input("r", (1, 4, 6, 6))
+    y = n.node("Tanh", [n.conv(x, 4, name="c")], name="tanh")
+    y = n.node("Add", [n.node("Mul", [y, _scalar(n, 0.5)], name="half"), r], name="add")
+    model = n.build([n.conv(y, 4, name="next")])
+    result, fused, default = compile_and_compare(model)
+    (absorbed,) = result.report.absorbed
+    assert absorbed["ops"] == ["relax.tanh", "relax.multiply", "relax.add"]
+    assert absorbed["function"].endswith("_ew") and absorbed["function"] in fused.names
+    assert fused.launches == default.launches == 2, (fused.names, default.names)
