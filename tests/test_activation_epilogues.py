@@ -146,7 +146,7 @@ def test_squeeze_excitation_gate_is_an_epilogue_input(gate_act, spatial):
     assert gate.details["conv"] == "fc2" and gate.details["op"] == "gate"
     assert gate.details["extra_input"] == "hs_out"
     fc2 = p.second.layer("fc2")
-    roles = [e["role"] for e in fc2.fused["epilogue"]]
+    roles = [e.role for e in fc2.fused.epilogue]
     assert roles == ["activation", "gate"]
     result, fused, default = compile_and_compare(model)
     suffix = "hardsigmoid" if gate_act == "HardSigmoid" else "sigmoid"
@@ -167,7 +167,7 @@ def test_add_after_an_activated_conv_is_a_post_activation_add():
     p = assert_realizes(model)
     group = next(iter(p.groups_of("eltwise")))
     assert group.details["op"] == "post_add" and group.details["extra_input"] == "x"
-    assert [e["role"] for e in p.second.layer("c").fused["epilogue"]] == ["activation", "post_add"]
+    assert [e.role for e in p.second.layer("c").fused.epilogue] == ["activation", "post_add"]
     result, fused, default = compile_and_compare(model)
     assert "layerfuse_conv2d_bias_silu_post_add" in fused.names, fused.names
     assert fused.launches == 2 <= default.launches

@@ -733,7 +733,8 @@ def test_tvm_log_lines_reach_the_terminal_only_with_verbose(model_runs):
     paths, runs = model_runs
     quiet = runs[("shape read from a run-time value", "compile")]
     assert "BlockBuilder" not in quiet.stderr and "Error converting" not in quiet.stderr + quiet.stdout
-    loud = cli("-v", "compile", str(paths["shape read from a run-time value"]), "-o", str(paths["shape read from a run-time value"].parent / "out_v"))
+    model = paths["shape read from a run-time value"]
+    loud = cli("-v", "compile", str(model), "-o", str(model.parent / "out_v"))
     assert loud.returncode == 2
     assert "BlockBuilder destroyed with remaining blocks!" in loud.stderr, loud.stderr
     assert "Error converting operator Reshape" in loud.stderr, loud.stderr

@@ -28,6 +28,7 @@ op, so the other operand is already computed when the fused kernel runs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Optional
 
 from ..topology.graph import Layer, TopologyGraph
@@ -114,7 +115,7 @@ class EltwiseEpilogue(Template):
         op = graph.layer(match.layers[0])
         conv, other = self._choose(graph, op)
         absorbed = [conv.name, op.name]
-        epilogue = list(conv.fused.get("epilogue", []))
+        epilogue = list(conv.fused.epilogue)
         conv_out = next(t for t in op.inputs if t != other)
         gate = op.op_type == "Mul" and (
             _has_activation(conv) or is_gate(graph, conv_out, other, graph.tensor(op.outputs[0]).shape)
@@ -129,15 +130,14 @@ class EltwiseEpilogue(Template):
             act = activation_of(graph, nxt, out)
             if act is not None:
                 params = {k: v for k, v in act.items() if k not in ("op", "layers")}
-                epilogue.append(epilogue_entry(nxt, "activation", **params))
+                epilogue.append(epilogue_entry(nxt, "activation", params=params))
                 absorbed.append(nxt.name)
                 out = nxt.outputs[0]
                 activation = nxt.op_type
-        fused = dict(conv.fused) if conv.fused else {"prologue": []}
-        fused["epilogue"] = epilogue
-        fused["extra_input"] = other
         overwrite = self._may_overwrite(graph, other, fused=absorbed, op=op.name)
-        fused["overwrite_extra_input"] = overwrite
+        fused = dataclasses.replace(
+            conv.fused, epilogue=tuple(epilogue), extra_input=other, overwrite_extra_input=overwrite
+        )
         layer = Layer(
             name=conv.name,
             op_type=conv.op_type,
@@ -182,7 +182,7 @@ class EltwiseEpilogue(Template):
 
 
 def _has_activation(conv: Layer) -> bool:
-    return any(e.get("role") == "activation" for e in (conv.fused or {}).get("epilogue", []))
+    return any(e.role == "activation" for e in conv.fused.epilogue)
 
 
 def is_gate(graph: TopologyGraph, conv_out: str, other: str, out_shape) -> bool:
