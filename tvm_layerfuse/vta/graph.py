@@ -36,6 +36,9 @@ from ..topology.graph import Layer, TopologyGraph
 
 log = logging.getLogger(__name__)
 
+RESIDUAL_ROLES = ("residual", "post_add")
+"""Epilogue roles of an absorbed Add (``post_add``: after the activation, the order VTA's ALU cannot run)."""
+
 MIN_VTA_IN_CHANNELS = 4
 """Convs with fewer input channels (the RGB stem) stay on the host, as in TVM's VTA flow."""
 
@@ -219,8 +222,8 @@ def _conv_op(first: TopologyGraph, second: TopologyGraph, layer: Layer) -> Op:
     for e in fused.epilogue:
         if e.folded:
             continue
-        if e.role == "residual" and e.op == "Add":
-            if seen_act:
+        if e.role in RESIDUAL_ROLES and e.op == "Add":
+            if seen_act or e.role == "post_add":
                 reason = "an activation before the residual add"
             op.residual = e.extra_input
         elif e.role == "activation" and e.op == "Relu":
@@ -246,12 +249,14 @@ def _conv_op(first: TopologyGraph, second: TopologyGraph, layer: Layer) -> Op:
 
 def _act_before_residual(fused: LayerFacts) -> bool:
     roles = [e.role for e in fused.epilogue if not e.folded]
+    if "post_add" in roles:  # the planner's name for an Add after the activation
+        return True
     return "residual" in roles and "activation" in roles and roles.index("activation") < roles.index("residual")
 
 
 def _needs_members(fused: LayerFacts) -> bool:
     live = [e for e in fused.epilogue if not e.folded]
-    return any(e.role not in ("residual", "activation") or e.role == "activation" and e.op not in ("Relu", "Clip") for e in live)
+    return any(e.role not in (*RESIDUAL_ROLES, "activation") or e.role == "activation" and e.op not in ("Relu", "Clip") for e in live)
 
 
 def _as_host_conv(op: ConvOp, reason: str) -> ConvOp:
