@@ -40,6 +40,8 @@ def shape_str(shape: Optional[Sequence[Optional[int]]]) -> str:
 def layer_label(layer: Layer) -> str:
     """``Conv+BatchNormalization+Relu`` for a fused layer, the op type otherwise."""
     f = layer.fused
+    if f.get("view_of"):
+        return f"{layer.op_type}(view of {f['view_of']})"
     if f.get("in_place"):
         return f"{layer.op_type}(in place)"
     parts = [e["op"] for e in f.get("prologue", [])] + [layer.op_type] + [e["op"] for e in f.get("epilogue", [])]
@@ -104,6 +106,9 @@ def group_summary(group: FusionGroup) -> str:
             for o in d["offsets"]
         )
         layout = "contiguous" if d["contiguous"] else "strided"
+        if d.get("view_of"):
+            lo, hi = d["range"]
+            return f"prefix view [{lo}:{hi}] of the block of {d['view_of']} (axis {d['axis']}, {layout}): {offs}"
         return f"axis {d['axis']}, {layout} block of {d['block_bytes']} B: {offs}"
     return ", ".join(f"{k}={v}" for k, v in d.items())
 
