@@ -5,6 +5,7 @@
     layerfuse_pipeline(target)       == TVM's get_default_pipeline(target), plus two passes:
       library dispatch                 (DispatchSampling, DispatchSortScan)
       LegalizeOps ... FuseOps, FuseTIR
+      -> InlinePrologue                BatchNorm+Relu prologues computed inside the conv (inline_prologue.py)
       -> SplitOutputBuffers            producers write their split pieces (split_outputs.py)
       -> InPlaceConcat                 producers write into the concat block (inplace_concat.py)
       [dlight default GPU schedules]   CUDA / ROCm / Metal: still applied, to the new kernels too
@@ -45,6 +46,7 @@ from tvm import relax
 
 from ..errors import UsageError
 from . import _tir
+from .inline_prologue import InlinePrologue
 from .inplace_concat import InPlaceConcat, InPlaceReport
 from .split_outputs import SplitOutputBuffers, SplitReport
 
@@ -125,9 +127,9 @@ def _insert_after_fuse_tir(legalize: list, ours: list) -> list:
 
 
 def layerfuse_passes(*, split_outputs: bool = True, inplace_concat: bool = True, nested: bool = True) -> list:
-    """The two lowering passes, in order, for a pipeline of one's own: put them right after
+    """The lowering passes, in order, for a pipeline of one's own: put them right after
     FuseTIR. For a GPU target keep ``split_outputs=False`` (see :class:`LayerfusePipeline`)."""
-    passes = []
+    passes = [InlinePrologue()]
     if split_outputs:
         passes.append(SplitOutputBuffers())
     if inplace_concat:
@@ -194,7 +196,7 @@ class LayerfusePipeline:
 
     def passes(self) -> list:
         dispatch, legalize, lower, finalize = _stages(self.target)
-        ours = [p for p in (self._split, self._concat) if p is not None]
+        ours = [p for p in (InlinePrologue(), self._split, self._concat) if p is not None]
         seq = dispatch + _insert_after_fuse_tir(legalize, ours) + lower + finalize
         if self.stop_after is not None:
             names = [p.info.name for p in seq]

@@ -8,6 +8,7 @@
       1. FoldAffineIntoConv2D    vertical         BN / per-channel Mul/Add/Sub/Div -> conv weight, bias
       2. MergeParallelConv2D     horizontal       (relax/horizontal.py, when present)
       3. FuseConv2DEpilogue      vertical + eltwise  conv + bias + [residual] + [act] -> one function
+      4. FuseConv2DPrologue      vertical (pre-activation)  BatchNorm + Relu -> that conv's prologue
       bind_params                                 W', b' become constants, computed once here
                                                   (LiftTransformParams + one compile, then BindParams)
 
@@ -39,6 +40,7 @@ from tvm import relax
 from ..errors import UsageError
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
+from .fuse_prologue import FuseConv2DPrologue, plan_prologue_convs
 from .importer import import_onnx
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,11 @@ def fuse_with_report(
     epilogue = FuseConv2DEpilogue(plan_spec=epilogue_spec)
     mod = epilogue(mod)
     report["groups"] = list(epilogue.groups)
+
+    # 4. pre-activation prologue: BatchNorm + Relu in front of a conv, inside its kernel
+    prologue = FuseConv2DPrologue(plan_convs=None if plan is None else plan_prologue_convs(plan, _param_names(mod)))
+    mod = prologue(mod)
+    report["prologues"] = list(prologue.groups)
     report["group_refused"] = list(epilogue.refused)
     if plan is not None:
         report["plan_check"] = _compare_with_plan(plan, report)
