@@ -300,13 +300,16 @@ def test_densenet121_plan(concat, bn):
         assert c["concat_in_place"] == dense_layers == len([l for l in p.first if l.op_type == "Concat"])
         assert p.refusals == []
     else:
-        # torch: every Concat of a block reads x0 (the block input) again. x0 can live at one
-        # offset only, so the first Concat (the one-input cat of dense layer 1) takes it and
-        # the later n-1 dense-layer Concats and the block's final Concat are refused.
-        assert c["concat_in_place"] == len(config)
-        refusals = p.refusals_of("concat")
-        assert len(refusals) == dense_layers
-        assert all("already writes into concat" in r.reason for r in refusals)
+        # torch: dense layer i reads Concat(x0, new_1, ..., new_{i-1}) built afresh, and the
+        # block ends with Concat(x0, new_1, ..., new_n). Each Concat's inputs are the leading
+        # inputs of the next: the block's final Concat plans one block, every earlier Concat
+        # is a prefix view of it, each producer writes once.
+        concats = [l for l in p.first if l.op_type == "Concat"]
+        assert c["concat_in_place"] == dense_layers + len(config) == len(concats)
+        assert p.refusals == []
+        views = [l for l in p.second if l.fused.get("view_of")]
+        assert len(views) == dense_layers
+        assert len({l.fused["view_of"] for l in views}) == len(config)
     assert c["horizontal"] == 0 and c["eltwise"] == 0
 
 
