@@ -15,8 +15,8 @@ import onnx
 import pytest
 
 from graphs import rel_err, run_ort
-from tvm_layerfuse import artifact
-from tvm_layerfuse.build import compile_model
+from tvm_layerfuse.runtime import artifact
+from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError
 from tvm_layerfuse.runtime import load
 from tvm_layerfuse.testing import zoo
@@ -77,7 +77,7 @@ def test_fused_and_unfused_match_onnxruntime(cpu_artifacts, model_path):
 
 def test_runtime_only_in_a_bundle(cpu_artifacts, model_path, tmp_path):
     """The bundle carries TVM without its compiler library; run it in a fresh process."""
-    from tvm_layerfuse.bundle import make_bundle, size_of
+    from tvm_layerfuse.deploy.bundle import make_bundle, size_of
 
     bundle = make_bundle(cpu_artifacts[0], tmp_path / "bundle")
     assert not (bundle / "site" / "tvm" / "lib" / "libtvm_compiler.so").exists()
@@ -115,7 +115,7 @@ def test_aarch64_artifact_is_an_arm_elf(model_path, tmp_path):
 
 
 def test_cuda_artifact_embeds_sm90_device_code(model_path, tmp_path):
-    from tvm_layerfuse.cuda import device_code, extract_fatbins
+    from tvm_layerfuse.compile.cuda import device_code, extract_fatbins
 
     out = compile_model(model_path, tmp_path / "cuda", target="cuda", arch="sm_90", progress=False)
     images = device_code(out / "model.so")

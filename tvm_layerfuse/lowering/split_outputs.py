@@ -35,6 +35,7 @@ from typing import Optional
 import tvm
 from tvm import relax
 
+from ..relax._ir import is_primitive, op_name
 from . import _tir
 
 log = logging.getLogger(__name__)
@@ -52,23 +53,9 @@ class SplitReport:
     refused: list[dict] = field(default_factory=list)  # {"function", "split", "reason"}
 
 
-def _op_name(expr) -> Optional[str]:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
-
-
-def is_primitive(func: relax.Function) -> bool:
-    attrs = func.attrs
-    if attrs is None:
-        return False
-    keys = list(attrs.keys())
-    return ("Primitive" in keys and int(attrs["Primitive"]) != 0) or "Codegen" in keys
-
-
 def plain_call_tir(expr) -> Optional[tuple[tvm.ir.GlobalVar, list]]:
     """``(gv, args)`` of ``call_tir(gv, (args...))`` with a literal argument tuple, no TIR vars."""
-    if _op_name(expr) != _CALL_TIR or len(expr.args) != 2 or not isinstance(expr.args[1], relax.Tuple):
+    if op_name(expr) != _CALL_TIR or len(expr.args) != 2 or not isinstance(expr.args[1], relax.Tuple):
         return None
     gv = expr.args[0]
     if not isinstance(gv, tvm.ir.GlobalVar):

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import tvm
 from tvm import relax
 
-from ._common import FunctionFacts, is_primitive, relax_functions, static_shape
+from ._ir import FunctionFacts, is_primitive, op_name, relax_functions, static_shape, weight_param
 from .fuse_epilogue import PREFIX
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ PROLOGUE_PREFIX = "layerfuse_bn_relu_"
 
 
 def _op(value) -> str:
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else ""
+    return op_name(value) or ""
 
 
 @relax.expr_functor.mutator
@@ -248,12 +248,10 @@ class _Rewriter(relax.PyExprMutator):
 def plan_prologue_convs(plan: Any, param_names: set[str]) -> set[str]:
     """Weight parameter names of the convs the plan gives exactly a BatchNormalization +
     Relu prologue (the form this pass realises; others stay with TVM's FuseOps)."""
-    from .pipeline import _param_name
-
     convs: set[str] = set()
     for layer in plan.second:
         prologue = (layer.fused or {}).get("prologue") or []
         if layer.op_type == "Conv" and [e.get("op") for e in prologue] == ["BatchNormalization", "Relu"]:
             if len(layer.inputs) > 1:
-                convs.add(_param_name(layer.inputs[1], param_names))
+                convs.add(weight_param(layer.inputs[1], param_names) or layer.inputs[1])
     return convs

@@ -29,8 +29,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import __version__, artifact
-from .errors import BuildError
+from .. import __version__
+from ..runtime import artifact
+from ..errors import BuildError, first_line
 from .presets import TargetSpec, check_toolchain, resolve
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def compile_model(
     check_toolchain(spec)
     from tqdm import tqdm
 
-    from .planner import plan as make_plan
+    from ..planner import plan as make_plan
 
     timings: dict[str, float] = {}
     with tqdm(total=len(STEPS), disable=not progress, unit="step", leave=False) as bar:
@@ -98,8 +99,8 @@ def compile_model(
 # ---------------------------------------------------------------------- stages
 def relax_module(model: Any, *, plan: Any, fuse: bool, input_shapes=None):
     """(Relax module with weights as parameters, weight values by name, fusion report)."""
-    from .relax.importer import import_onnx
-    from .relax.pipeline import fuse_with_report
+    from ..relax.importer import import_onnx
+    from ..relax.pipeline import fuse_with_report
 
     if fuse:
         result = fuse_with_report(model, plan=plan, input_shapes=input_shapes, bind=False)
@@ -114,8 +115,7 @@ def lift_weights(mod, params: Mapping[str, np.ndarray]):
     Returns the module whose ``main`` takes the inputs and the *transformed* weights, and
     those weights as numpy arrays in ``main``'s parameter order.
     """
-    import tvm
-    from tvm import relax
+    from ..relax.pipeline import lift_weights as lift
 
     main = mod["main"]
     num_input = int(main.attrs["num_input"])
@@ -123,15 +123,8 @@ def lift_weights(mod, params: Mapping[str, np.ndarray]):
     missing = [n for n in names if n not in params]
     if missing:
         raise BuildError(f"no value for weight {missing[0]!r}; the import lost it - report this model")
-    lifted = relax.transform.LiftTransformParams()(mod)
-    transform = lifted["main_transform_params"]
-    helper = tvm.IRModule({"main_transform_params": transform})
-    ex = tvm.compile(helper, target=tvm.target.Target({"kind": "llvm"}))
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    values = vm["main_transform_params"]([tvm.runtime.tensor(np.asarray(params[n])) for n in names])
-    weights = [np.asarray(v.numpy()) for v in values]
-    inference = tvm.IRModule({gv: f for gv, f in lifted.functions.items() if gv.name_hint != "main_transform_params"})
-    return inference, weights
+    inference, values = lift(mod, [params[n] for n in names])
+    return inference, [np.asarray(v.numpy()) for v in values]
 
 
 def safe_param_names(mod):
@@ -177,7 +170,7 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
     import tvm
     from tvm import relax
 
-    from .lowering import layerfuse_pipeline
+    from ..lowering import layerfuse_pipeline
 
     tgt = spec.tvm_target()
     try:
@@ -194,7 +187,7 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
     except Exception as e:
         raise BuildError(
             f"TVM could not build the model for {spec.preset}{' ' + spec.arch if spec.arch else ''}: "
-            f"{_first_line(e)}"
+            f"{first_line(e, last=True)}"
         ) from None
 
 
@@ -208,7 +201,7 @@ def _export(ex, path: Path, spec: TargetSpec) -> None:
             ex.export_library(str(path))
     except RuntimeError as e:  # tvm.support.cc: "Compilation error:" + the linker's output
         # the linker's complaint, e.g. "/usr/bin/ld: final link failed: No space left on device"
-        detail = next((l.strip() for l in str(e).splitlines()[1:] if l.strip()), _first_line(e))
+        detail = next((l.strip() for l in str(e).splitlines()[1:] if l.strip()), first_line(e, last=True))
         raise BuildError(
             f"linking the library for {spec.preset} failed: {detail[:300]}; check the C compiler "
             f"({spec.cross_compiler or 'g++'}) and free space in {tempfile.gettempdir()!r}"
@@ -227,7 +220,7 @@ def _export(ex, path: Path, spec: TargetSpec) -> None:
 def _kernel_count(ex) -> Optional[dict[str, Any]]:
     """Kernel launches and concatenation copies left in the executable (informative only)."""
     try:
-        from .lowering import concat_report
+        from ..lowering import concat_report
 
         return concat_report(ex)
     except Exception as e:  # the report must never fail a build
@@ -283,8 +276,3 @@ def _jsonable(v: Any) -> Any:
     if hasattr(v, "__dict__"):
         return _jsonable(vars(v))
     return str(v)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else type(e).__name__

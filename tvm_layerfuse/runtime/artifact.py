@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .errors import ArtifactError, UsageError
+from ..errors import ArtifactError, UsageError
 
 FORMAT = "tvm_layerfuse.artifact"
 FORMAT_VERSION = 1

@@ -66,8 +66,8 @@ def compare(
     """``{"default": {...}, "layerfuse": {...}, "parallel_conv_groups": n}``: each side planned
     through ``StaticPlanBlockMemory`` (no code generation) and read by
     :func:`tvm_layerfuse.lowering.concat_report`."""
-    from .lowering import concat_report
-    from .relax.pipeline import fuse_with_report, lower, unfused
+    from ..lowering import concat_report
+    from ..relax.pipeline import fuse_with_report, lower, unfused
 
     plain = unfused(model, input_shapes=input_shapes)
     result = fuse_with_report(model, plan=plan, input_shapes=input_shapes)

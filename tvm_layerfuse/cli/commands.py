@@ -17,8 +17,11 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import __version__
-from .errors import LayerfuseError, UsageError
+from .. import __version__
+from ..errors import LayerfuseError, UsageError
+from .common import say, verbosity_parent
+from .deploy import add_deploy_parser
+from .run import add_run_arguments, run_artifact
 
 log = logging.getLogger("tvm_layerfuse")
 
@@ -42,14 +45,8 @@ def parse_input_shapes(items: Sequence[str]) -> dict[str, list[int]]:
     return shapes
 
 
-def _say(args: argparse.Namespace, message: str) -> None:
-    """A status line on stderr (stdout carries the command's result), unless --quiet."""
-    if not args.quiet:
-        print(message, file=sys.stderr)
-
-
 def _model_arg(value: Optional[str]) -> Path:
-    from .models import default_model
+    from ..models import default_model
 
     return Path(value) if value else default_model()
 
@@ -66,22 +63,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .planner import plan
-    from .report import plan_text
+    from ..planner import plan
+    from ..report import plan_text
 
     model = _model_arg(args.model)
     result = plan(model, input_shapes=parse_input_shapes(args.input_shape))
     if args.dot:
-        from .dot import write_dot
+        from ..dot import write_dot
 
-        _say(args, f"wrote {write_dot(result, Path(args.dot))}")
+        say(args, f"wrote {write_dot(result, Path(args.dot))}")
     if args.svg:
-        from .dot import write_svg
+        from ..dot import write_svg
 
-        _say(args, f"wrote {write_svg(result, Path(args.svg))}")
+        say(args, f"wrote {write_svg(result, Path(args.svg))}")
     compiled = None
     if args.compile:
-        from .compile_report import compare
+        from ..compile.report import compare
 
         compiled = compare(model, plan=result, input_shapes=parse_input_shapes(args.input_shape))
     if args.json:
@@ -93,23 +90,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(plan_text(result, graphs=not args.plan_only) + "\n")
         if compiled is not None:
-            from .compile_report import text
+            from ..compile.report import text
 
             sys.stdout.write("\n" + text(compiled) + "\n")
     return 0
 
 
-def _verbosity_parent() -> argparse.ArgumentParser:
-    """-v/-q accepted after the command too (SUPPRESS keeps the top-level value otherwise)."""
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_mutually_exclusive_group()
-    group.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="more log output")
-    group.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="only errors")
-    return parent
-
-
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .build import compile_model
+    from ..compile.build import compile_model
 
     model = _model_arg(args.model)
     out = Path(args.output) if args.output else Path(f"{model.stem}.{args.target}{'.' + args.arch if args.arch else ''}")
@@ -123,9 +111,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet and sys.stderr.isatty(),
     )
-    _say(args, f"wrote artifact {out}")
+    say(args, f"wrote artifact {out}")
     if not args.quiet:
-        from .artifact import read_manifest
+        from ..runtime.artifact import read_manifest
 
         fusion = read_manifest(out)["fusion"]
         if fusion.get("plan"):
@@ -144,17 +132,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .runner import run_artifact
-
-    return run_artifact(args, Path(args.artifact), say=lambda m: _say(args, m))
+    return run_artifact(args, Path(args.artifact), say=lambda m: say(args, m))
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
-    from .bundle import make_bundle, size_of
+    from ..deploy.bundle import make_bundle, size_of
 
     out = make_bundle(Path(args.artifact), Path(args.output), python=args.python, force=args.force)
     sizes = size_of(out)
-    _say(
+    say(
         args,
         f"wrote bundle {out}: runtime {sizes['runtime_bytes'] / 2**20:.1f} MiB + weights "
         f"{sizes['weights_bytes'] / 2**20:.1f} MiB; run it with: python3 {out}/run.py",
@@ -174,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
-        "inspect", parents=[_verbosity_parent()], help="show the topology graph, the fusion plan and the fused graph"
+        "inspect", parents=[verbosity_parent()], help="show the topology graph, the fusion plan and the fused graph"
     )
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="print the plan and both graphs as JSON")
@@ -188,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("compile", parents=[_verbosity_parent()], help="compile a model into a device-executable artifact")
+    p = sub.add_parser("compile", parents=[verbosity_parent()], help="compile a model into a device-executable artifact")
     _add_model_args(p)
     p.add_argument("--target", default="cpu", help="target preset (cpu, aarch64, cuda) or a preset JSON file")
     p.add_argument("--arch", help="GPU architecture for --target cuda: sm_80, sm_87 (Jetson Orin), sm_90, ...")
@@ -197,23 +183,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     p.set_defaults(func=cmd_compile)
 
-    from .runner import add_run_arguments
-
-    p = sub.add_parser("run", parents=[_verbosity_parent()], help="run an artifact on inputs with the TVM runtime")
+    p = sub.add_parser("run", parents=[verbosity_parent()], help="run an artifact on inputs with the TVM runtime")
     p.add_argument("artifact", help="artifact directory written by compile")
     add_run_arguments(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("bundle", parents=[_verbosity_parent()], help="a runtime-only directory for a machine without TVM")
+    p = sub.add_parser("bundle", parents=[verbosity_parent()], help="a runtime-only directory for a machine without TVM")
     p.add_argument("artifact", help="artifact directory written by compile")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="bundle directory to create")
     p.add_argument("--python", help="Python MAJOR.MINOR of the target machine (default: this one)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle directory")
     p.set_defaults(func=cmd_bundle)
 
-    from .rpc import add_deploy_parser
-
-    add_deploy_parser(sub, parents=[_verbosity_parent()])
+    add_deploy_parser(sub, parents=[verbosity_parent()])
     return parser
 
 
