@@ -50,6 +50,7 @@ from ..models import LIGHT_MODELS, light_dir
 
 __all__ = [
     "BUILDERS",
+    "DENSENET121_FULL",
     "densenet121",
     "efficientnet_like",
     "googlenet",
@@ -78,10 +79,10 @@ def make_divisible(v: float, divisor: int = 8, min_value: Optional[int] = None) 
     return new_v
 
 
-def _start(name: str, *, batch: int, image: int, seed: int, opset: int, bn: str, quirks: bool):
+def _start(name: str, *, batch: int, image: int, seed: int, opset: int, bn: str, quirks: bool, calibrate: bool = True):
     clip = "attributes" if isinstance(opset, int) and opset <= 10 else "inputs"  # the form the opset has
     check_options(opset=opset, bn=bn, clip=clip, batch=batch, image=image)
-    b = NetBuilder(name, seed=seed, opset=opset, bn=bn, clip=clip, quirks=quirks)
+    b = NetBuilder(name, seed=seed, opset=opset, bn=bn, clip=clip, quirks=quirks, calibrate=calibrate)
     x = b.input("input", (batch, 3, image, image))
     return b, x
 
@@ -327,6 +328,10 @@ def resnet50(
 
 
 # ---------------------------------------------------------------------- DenseNet-121
+DENSENET121_FULL = {"width": 1.0, "block_config": (6, 12, 24, 16), "image": 224}
+"""torchvision's ``densenet121`` at full size (for reports; the tests use reduced sizes)."""
+
+
 def densenet121(
     *,
     batch: int = 1,
@@ -339,8 +344,14 @@ def densenet121(
     opset: int = 13,
     quirks: bool = True,
     num_classes: int = 10,
+    calibrate: bool = True,
 ) -> onnx.ModelProto:
     """torchvision ``densenet121`` with ``block_config`` dense layers per block.
+
+    The real network: ``densenet121(**DENSENET121_FULL)`` (width 1, blocks (6, 12, 24, 16),
+    224x224; 58 dense layers). ``calibrate=False`` skips the numpy calibration pass that
+    sets the BatchNorm statistics (seconds instead of ~30 s at full size; the statistics
+    stay near identity) - enough for planning and counting, not for numeric checks.
 
     Stem conv0 7x7/2 -> norm0 -> relu0 -> pool0 maxpool 3/2 pad 1. Dense layer
     (pre-activation): Concat(features) -> norm1 -> relu1 -> conv1 1x1 (bn_size*growth)
@@ -363,7 +374,9 @@ def densenet121(
         raise ValueError(f"concat={concat!r}; expected 'torch' or 'nested'")
     if not block_config or any(int(n) < 1 for n in block_config):
         raise ValueError(f"block_config={tuple(block_config)}; expected positive dense-layer counts")
-    b, x = _start("densenet121", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks)
+    b, x = _start(
+        "densenet121", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks, calibrate=calibrate
+    )
     growth = _ch(32, width)
     bn_size = 4
     with b.scope("features"):

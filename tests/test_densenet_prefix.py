@@ -1,0 +1,126 @@
+"""DenseNet as torchvision writes it: every dense layer concatenates all earlier features
+afresh (``Concat(x0, ..., x_{i-1})``), and the block ends with ``Concat(x0, ..., x_n)``.
+
+One block per dense block: each producer writes once at its channel offset, every concat
+is a prefix view of the block (planner and lowering), and each dense layer's BatchNorm +
+Relu runs inside its conv's kernel (a prologue that reads the view), so the concatenated
+features are never copied or rewritten. Numbers are checked against onnxruntime.
+"""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from graphs import RTOL, rel_err
+from tvm_layerfuse.compile import report as compile_report
+from tvm_layerfuse.lowering import InlinePrologue, concat_report, layerfuse_pipeline
+from tvm_layerfuse.planner import plan
+from tvm_layerfuse.relax.fuse_prologue import PROLOGUE_PREFIX, FuseConv2DPrologue
+from tvm_layerfuse.relax.pipeline import fuse_with_report, run, unfused
+from tvm_layerfuse.testing import zoo
+from tvm_layerfuse.testing.checks import run_onnxruntime
+
+TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+FULL = zoo.DENSENET121_FULL  # torchvision densenet121
+SMALL = dict(width=0.25, block_config=(2, 3), image=32)
+
+
+@pytest.mark.parametrize("concat", ["torch", "nested"])
+def test_full_densenet121_every_concat_in_place(concat):
+    """Planning is cheap: the real densenet121 sizes. torch form: 58 dense-layer concats + 4
+    block outputs; nested form (ONNX zoo): 58 concats."""
+    model = zoo.densenet121(concat=concat, calibrate=False, **FULL)
+    p = plan(model)
+    concats = [n for n in model.graph.node if n.op_type == "Concat"]
+    assert len(concats) == (58 + 4 if concat == "torch" else 58)
+    assert p.counts()["concat_in_place"] == len(concats)
+    assert p.refusals_of("concat") == []
+    if concat == "torch":
+        views = [l for l in p.second if l.fused.get("view_of")]
+        blocks = {l.fused["view_of"] for l in views}
+        assert len(views) == 58 and len(blocks) == 4
+        # each producer writes once, into its dense block's one buffer
+        writes = [t for l in p.second for t in l.fused.get("writes_into", {})]
+        assert len(writes) == len(set(writes)) == 58 + 4
+        # and every dense layer's norm1 + relu1 is its conv1's prologue
+        assert len(p.groups_of("vertical.preactivation")) == 58 + 3
+
+
+def _build(mod, *, layerfuse: bool):
+    pipe = layerfuse_pipeline(TARGET) if layerfuse else relax.get_default_pipeline(TARGET)
+    return tvm.compile(mod, target=TARGET, relax_pipeline=pipe), pipe
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_reduced_densenet_lowering_matches_onnxruntime(batch):
+    model = zoo.densenet121(concat="torch", batch=batch, seed=batch, **SMALL)
+    rng = np.random.default_rng(batch)
+    feeds = [{"input": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)} for _ in range(2)]
+    result = fuse_with_report(model)
+    fused, pipe = _build(result.mod, layerfuse=True)
+    plain, _ = _build(unfused(model), layerfuse=False)
+    outs = []
+    for f in feeds:
+        (ref,) = run_onnxruntime(model, f)
+        (got,) = run(fused, [f["input"]])
+        (base,) = run(plain, [f["input"]])
+        assert rel_err(ref, got) <= RTOL and rel_err(ref, base) <= RTOL and rel_err(base, got) <= RTOL
+        outs.append(ref)
+    assert rel_err(outs[0], outs[1]) > 0.05  # live weights: two inputs, clearly different outputs
+    # every concat kernel is gone: the largest of each chain plans the block, the rest are
+    # prefix views (the final block's last concat is fused with norm5 by FuseOps)
+    rep = pipe.inplace_report.to_dict()
+    assert rep["fallback"] == 0 and rep["in_place"] == 2 and rep["prefix_views"] == 4
+    # a prologue group per dense layer and transition; its normalisation is inlined
+    assert len(result.report["prologues"]) == 2 + 3 + 1
+    counts = concat_report(fused)
+    assert counts["concat_kernels"] == 0 and counts["concat_bytes_copied"] == 0
+
+
+def test_prologue_kernel_writes_no_normalised_copy():
+    model = zoo.densenet121(concat="torch", batch=2, **SMALL)
+    mod = fuse_with_report(model).mod
+    inline = InlinePrologue()
+    lowered = layerfuse_pipeline(TARGET, stop_after="StaticPlanBlockMemory")(mod)
+    prologues = {gv.name_hint: f for gv, f in lowered.functions_items() if gv.name_hint.startswith(PROLOGUE_PREFIX)}
+    assert len(prologues) >= 5
+    for name, func in prologues.items():
+        root = func.body.block
+        # only the conv's own padding stage and epilogue stages: no T_multiply / T_add / relu copy
+        assert all(b.name.startswith(("pad_temp", "conv2d_nchw", "T_add_intermediate")) for b in root.alloc_buffers), name
+    # the pass alone reports what it inlined, three blocks (x * s, + t, relu) per kernel
+    from tvm_layerfuse.relax.pipeline import lower
+
+    before = lower(mod, target=TARGET)
+    inline(before)
+    assert inline.report.inlined and all(len(v) == 3 for v in inline.report.inlined.values())
+
+
+def test_prologue_refused_when_the_activation_has_another_reader():
+    from graphs import Net
+
+    n = Net(seed=3)
+    x = n.input("x", (1, 4, 6, 6))
+    a = n.relu(n.bn(n.conv(x, 4, name="c0")))
+    r = n.relu(n.bn(a, name="pre"))
+    model = n.build([n.conv(r, 3, name="c1"), r])
+    result = fuse_with_report(model, bind=False)
+    assert result.report["prologues"] == []
+    p = FuseConv2DPrologue()
+    p(result.mod)
+    assert p.groups == [] and len(p.refused) == 1
+    assert p.refused[0]["reason"].startswith("the activation ") and p.refused[0]["reason"].endswith(" is read elsewhere too")
+
+
+def test_reduced_densenet_inspect_compile_numbers():
+    """``inspect --compile`` numbers: fewer kernels, no concat copy, fewer bytes written and
+    less peak activation memory than TVM's default pipeline."""
+    model = zoo.densenet121(concat="torch", **SMALL)
+    r = compile_report.compare(model, target=TARGET)
+    d, o = r["default"], r["layerfuse"]
+    assert o["kernels"] <= d["kernels"] - 5  # one concat+BN+Relu kernel per dense layer gone
+    assert o["conv_kernels"] == d["conv_kernels"]
+    assert o["concat_bytes_copied"] == 0 and o["concat_kernels"] == 0
+    assert o["bytes_written"] < d["bytes_written"] and o["activation_bytes"] < d["activation_bytes"]
+    assert "bytes copied by concatenates" in compile_report.text(r)
