@@ -7,6 +7,8 @@ Relu runs inside its conv's kernel (a prologue that reads the view), so the conc
 features are never copied or rewritten. Numbers are checked against onnxruntime.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -124,3 +126,40 @@ def test_reduced_densenet_inspect_compile_numbers():
     assert o["concat_bytes_copied"] == 0 and o["concat_kernels"] == 0
     assert o["bytes_written"] < d["bytes_written"] and o["activation_bytes"] < d["activation_bytes"]
     assert "bytes copied by concatenates" in compile_report.text(r)
+
+
+def test_lowering_keeps_a_prefix_concat_that_is_a_graph_output():
+    from graphs import Net, feeds_for
+
+    n = Net(seed=8)
+    x = n.input("x", (2, 4, 4, 4))
+    x0 = n.relu(n.conv(x, 4, name="stem"))
+    d1 = n.conv(n.relu(n.bn(n.concat([x0], name="cat1"))), 2, name="d1", bias=False)
+    cat2 = n.concat([x0, d1], name="cat2")
+    d2 = n.conv(n.relu(n.bn(cat2)), 2, name="d2", bias=False)
+    model = n.build([n.concat([x0, d1, d2], name="cat3"), cat2])
+    feeds = feeds_for(model, seed=2)
+    fused, pipe = _build(fuse_with_report(model).mod, layerfuse=True)
+    got = run(fused, list(feeds.values()))
+    for ref, out in zip(run_onnxruntime(model, feeds), got):
+        assert rel_err(ref, out) <= RTOL
+    concats = pipe.inplace_report.concats
+    assert [c["status"] for c in concats] == ["view", "fallback", "in_place"]
+    assert concats[0]["view"] == "prefix" and concats[0]["block"] == concats[2]["concat"]
+    assert concats[1]["reason"].startswith(f"a prefix of concat {concats[2]['concat']} (whose block its inputs write into), but its output ")
+    assert re.search(r"is a graph output \(binding \d+\) and needs storage of its own$", concats[1]["reason"])
+
+
+@pytest.mark.slow
+def test_cuda_build_of_prologue_kernels_and_prefix_views():
+    """dlight schedules the prologue kernels and the retargeted views (no GPU needed to build)."""
+    from tvm_layerfuse.compile.cuda import nvcc_fatbin
+
+    tgt = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    mod = fuse_with_report(zoo.densenet121(concat="torch", batch=2, **SMALL)).mod
+    pipe = layerfuse_pipeline(tgt)
+    with nvcc_fatbin("sm_90"), tgt:
+        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe)
+    assert any(m.kind == "cuda" for m in ex.mod.imports)
+    assert pipe.inplace_report.to_dict()["prefix_views"] == 4
+    assert concat_report(ex)["concat_bytes_copied"] == 0

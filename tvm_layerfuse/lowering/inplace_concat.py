@@ -347,6 +347,8 @@ class InPlaceConcat:
             return f"its output {var.name} is an output of the dataflow block and needs storage of its own"
         for u in index.uses.get(var, []):
             if u.kind != "arg":
+                if isinstance(index.block.bindings[u.index].value, relax.Tuple):
+                    return f"its output {var.name} is a graph output (binding {u.index}) and needs storage of its own"
                 return f"its output {var.name} is used other than as a kernel argument (binding {u.index})"
             reason = index.reader_reason(u)
             if reason:

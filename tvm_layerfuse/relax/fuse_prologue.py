@@ -71,7 +71,8 @@ class FuseConv2DPrologue:
         Conv weight parameter names that the fusion plan gives a BatchNorm + ReLU prologue;
         None merges every match.
 
-    After a run ``pass.groups`` lists ``{"function", "conv_weight", "input"}`` per group
+    After a run ``pass.groups`` lists ``{"function", "conv_weight", "input", "absorbs"}`` per
+    group (``absorbs``: the epilogue group function it took in, or None for a bare conv2d)
     and ``pass.refused`` lists ``{"var", "reason"}``.
     """
 
@@ -242,7 +243,14 @@ class _Rewriter(relax.PyExprMutator):
         call = relax.Call(gv, [x, s, t, *[self.visit_expr(a) for a in rest]])
         new_var = self.builder_.emit(call, name_hint=binding.var.name)
         self.set_var_remap(binding.var, new_var)
-        self.owner.groups.append({"function": gv.name_hint, "conv_weight": m["weights"], "input": bn.args[0].name if isinstance(bn.args[0], relax.Var) else "?"})
+        self.owner.groups.append(
+            {
+                "function": gv.name_hint,
+                "conv_weight": m["weights"],
+                "input": bn.args[0].name if isinstance(bn.args[0], relax.Var) else "?",
+                "absorbs": m["call"].op.name_hint if m["callee"] is not None else None,  # the epilogue group it took in
+            }
+        )
 
 
 def plan_prologue_convs(plan: Any, param_names: set[str]) -> set[str]:
