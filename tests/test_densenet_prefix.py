@@ -12,9 +12,9 @@ import re
 import numpy as np
 import pytest
 import tvm
+from graphs import RTOL, rel_err
 from tvm import relax
 
-from graphs import RTOL, rel_err
 from tvm_layerfuse.compile import report as compile_report
 from tvm_layerfuse.lowering import InlinePrologue, concat_report, layerfuse_pipeline
 from tvm_layerfuse.planner import plan
@@ -25,7 +25,7 @@ from tvm_layerfuse.testing.checks import run_onnxruntime
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 FULL = zoo.DENSENET121_FULL  # torchvision densenet121
-SMALL = dict(width=0.25, block_config=(2, 3), image=32)
+SMALL = {"width": 0.25, "block_config": (2, 3), "image": 32}
 
 
 @pytest.mark.parametrize("concat", ["torch", "nested"])
@@ -146,7 +146,8 @@ def test_lowering_keeps_a_prefix_concat_that_is_a_graph_output():
     concats = pipe.inplace_report.concats
     assert [c["status"] for c in concats] == ["view", "fallback", "in_place"]
     assert concats[0]["view"] == "prefix" and concats[0]["block"] == concats[2]["concat"]
-    assert concats[1]["reason"].startswith(f"a prefix of concat {concats[2]['concat']} (whose block its inputs write into), but its output ")
+    block = concats[2]["concat"]
+    assert concats[1]["reason"].startswith(f"a prefix of concat {block} (whose block its inputs write into), but its output ")
     assert re.search(r"is a graph output \(binding \d+\) and needs storage of its own$", concats[1]["reason"])
 
 

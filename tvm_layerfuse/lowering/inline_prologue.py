@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import s_tir
 
-from . import _tir
 from ..relax.fuse_prologue import PROLOGUE_PREFIX
+from . import _tir
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class InlinePrologue:
                 try:
                     sch.compute_inline(sch.get_sblock(name))
                     done.append(name)
-                except Exception as err:  # TVM raises its own error types; keep the block
+                except s_tir.schedule.ScheduleError as err:  # compute_inline refused: keep the block
                     reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
                     self.report.kept.setdefault(gv.name_hint, []).append((name, reason))
                     log.info("InlinePrologue: %s keeps block %s: %s", gv.name_hint, name, reason)

@@ -446,7 +446,7 @@ def plan_check(plan: Any, report: Union[InPlaceReport, dict]) -> dict[str, Any]:
     before it runs, so the numbers may differ for good reasons; the report says which."""
     rep = report if isinstance(report, dict) else report.to_dict()
     planned = len(plan.groups_of("concat")) if plan is not None else None
-    done = int(rep.get("in_place", 0)) + int(rep.get("nested_views", 0))
+    done = int(rep.get("in_place", 0)) + int(rep.get("nested_views", 0)) + int(rep.get("prefix_views", 0))
     out = {"plan_in_place": planned, "lowering_in_place": done, "lowering_fallback": int(rep.get("fallback", 0))}
     if planned is not None and planned != done:
         log.info("concat: the plan marks %d concat(s) in place, the lowering made %d free", planned, done)

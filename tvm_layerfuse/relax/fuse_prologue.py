@@ -36,7 +36,14 @@ from typing import Any, Optional
 import tvm
 from tvm import relax
 
-from ._ir import FunctionFacts, is_primitive, op_name, relax_functions, static_shape, weight_param
+from ._ir import (
+    FunctionFacts,
+    is_primitive,
+    op_name,
+    relax_functions,
+    static_shape,
+    weight_param,
+)
 from .fuse_epilogue import PREFIX
 
 log = logging.getLogger(__name__)
@@ -105,13 +112,15 @@ class FuseConv2DPrologue:
             data, weight, callee = value.args[0], value.args[1], None
         elif isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar):
             callee = mod[value.op]
-            if not (isinstance(callee, relax.Function) and str((callee.attrs or {}).get("Composite", "")).startswith(PREFIX)):
+            composite = str((callee.attrs or {}).get("Composite", "")) if isinstance(callee, relax.Function) else ""
+            if not composite.startswith(PREFIX):  # not an epilogue group
                 return None
             conv = _conv_of(callee)
             if conv is None or not conv.args[0].same_as(callee.params[0]):
                 return None
             data = value.args[0]
-            weight = value.args[list(callee.params).index(conv.args[1])] if conv.args[1] in list(callee.params) else None
+            k = next((i for i, p in enumerate(callee.params) if p.same_as(conv.args[1])), None)
+            weight = value.args[k] if k is not None else None
         else:
             return None
         act = facts.var2val.get(data) if isinstance(data, relax.Var) else None
@@ -172,16 +181,18 @@ class FuseConv2DPrologue:
         sp = relax.Var("s", relax.TensorType([1, c, 1, 1], x.ty.dtype))
         tp = relax.Var("t", relax.TensorType([1, c, 1, 1], x.ty.dtype))
         callee = m["callee"]
-        if callee is None:  # a bare conv2d: the group is (x, s, t, W)
+        if callee is None:  # a bare conv2d: the group is (x, s, t, W) around that one call
             call = m["call"]
+            head = relax.Var("z", x.ty)
             wp = relax.Var("w", call.args[1].ty)
             rest, rest_args = [wp], [call.args[1]]
-            bindings = [("y", lambda z: relax.Call(call.op, [z, wp], call.attrs, call.ty_args))]
+            y = relax.DataflowVar("y", call.ty)
+            bindings = [(y, relax.Call(call.op, [head, wp], call.attrs, call.ty_args))]
+            result = y
             name = f"{PROLOGUE_PREFIX}conv2d"
-        else:
+        else:  # an epilogue group: its body follows the prologue, on fresh variables
             fresh = relax.utils.copy_with_new_vars(callee)
-            rest, rest_args = list(fresh.params[1:]), list(m["call"].args[1:])
-            head = fresh.params[0]
+            head, rest, rest_args = fresh.params[0], list(fresh.params[1:]), list(m["call"].args[1:])
             bindings = [(b.var, b.value) for blk in fresh.body.blocks for b in blk.bindings]
             result = fresh.body.body
             name = PROLOGUE_PREFIX + str(callee.attrs["Composite"]).removeprefix("layerfuse_")
@@ -191,17 +202,11 @@ class FuseConv2DPrologue:
                 a = fb.emit(relax.op.multiply(xp, sp))  # x * s     [N, C, H, W]
                 a = fb.emit(relax.op.add(a, tp))  # + t
                 z = fb.emit(relax.op.nn.relu(a))
-                if callee is None:
-                    out = fb.emit_output(bindings[0][1](z))
-                else:
-                    mapping = {head: z}
-                    sub = _Substitute(mapping)
-                    last = None
-                    for var, value in bindings:
-                        new = sub.visit_expr(value)
-                        last = fb.emit(new)
-                        mapping[var] = last
-                    out = fb.emit_output(sub.visit_expr(result))
+                mapping = {head: z}
+                sub = _Substitute(mapping)
+                for var, value in bindings:
+                    mapping[var] = fb.emit(sub.visit_expr(value))
+                out = fb.emit_output(sub.visit_expr(result))
             fb.emit_func_output(out)
         group = fb.get()[name]
         gv = bb.add_func(group, name)
@@ -234,11 +239,15 @@ class _Rewriter(relax.PyExprMutator):
         c = static_shape(bn.args[0])[1]
         dtype = bn.args[0].ty.dtype
         eps = relax.const(float(attrs.epsilon), dtype)
-        # s = gamma / sqrt(var + eps), t = beta - mean * s, both [C] -> [1, C, 1, 1]
-        s = self.builder_.emit(relax.op.divide(gamma, relax.op.sqrt(relax.op.add(var, eps))) if bool(attrs.scale) else relax.op.divide(relax.const(1.0, dtype), relax.op.sqrt(relax.op.add(var, eps))))
-        t = self.builder_.emit(relax.op.subtract(beta, relax.op.multiply(mean, s)) if bool(attrs.center) else relax.op.negative(relax.op.multiply(mean, s)))
-        s = self.builder_.emit(relax.op.reshape(s, [1, c, 1, 1]))
-        t = self.builder_.emit(relax.op.reshape(t, [1, c, 1, 1]))
+        # s = gamma / sqrt(var + eps), t = beta - mean * s: [C] -> [1, C, 1, 1]
+        # (without scale gamma is 1, without center beta is 0)
+        op = relax.op
+        std = op.sqrt(op.add(var, eps))
+        s = self.builder_.emit(op.divide(gamma if bool(attrs.scale) else relax.const(1.0, dtype), std))
+        shift = op.multiply(mean, s)
+        t = self.builder_.emit(op.subtract(beta, shift) if bool(attrs.center) else op.negative(shift))
+        s = self.builder_.emit(op.reshape(s, [1, c, 1, 1]))
+        t = self.builder_.emit(op.reshape(t, [1, c, 1, 1]))
         gv, rest = self.owner.make_group(m, self.bb)
         call = relax.Call(gv, [x, s, t, *[self.visit_expr(a) for a in rest]])
         new_var = self.builder_.emit(call, name_hint=binding.var.name)

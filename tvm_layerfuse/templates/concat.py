@@ -83,7 +83,8 @@ class InPlaceConcat(Template):
                 return f"the shape of input {name!r} is unknown"
             producer = graph.layer(t.producer)
             if producer.fused.get("view_of"):
-                return f"input {name!r} is a prefix view of concat {producer.fused['view_of']!r} and already lives in its block"
+                block = producer.fused["view_of"]
+                return f"input {name!r} is a prefix view of concat {block!r} and already lives in its block"
             writes = producer.fused.get("writes_into", {})
             if name in writes:
                 return f"input {name!r} already writes into concat {writes[name]['concat']!r}"
