@@ -173,3 +173,28 @@ def test_cuda_build_of_prologue_kernels_and_prefix_views():
     assert "cuda" in kinds  # device code was generated: dlight scheduled the new kernels
     assert pipe.inplace_report.to_dict()["prefix_views"] == 4
     assert concat_report(ex)["concat_bytes_copied"] == 0
+
+
+def test_prologue_before_a_padded_3x3_conv_matches_onnxruntime():
+    """Pre-activation ResNet style: the normalisation is inlined into the padding stage,
+    where the border stays 0 (relu of the shifted read happens only inside the image)."""
+    from graphs import Net, feeds_for
+
+    n = Net(seed=12)
+    x = n.input("x", (2, 3, 6, 6))
+    a = n.maxpool(x)  # not a conv: the BatchNorm cannot fold backwards, it is a prologue
+    y = n.relu(n.conv(n.relu(n.bn(a, name="pre")), 5, k=3, name="c1"))  # pads 1
+    model = n.build([y])
+    result = fuse_with_report(model)
+    (group,) = result.report["prologues"]
+    assert group["function"].startswith(PROLOGUE_PREFIX) and group["absorbs"]
+    from tvm_layerfuse.relax.pipeline import lower
+
+    inline = InlinePrologue()
+    inline(lower(result.mod, target=TARGET))
+    assert [len(v) for v in inline.report.inlined.values()] == [3] and not inline.report.kept
+    fused, pipe = _build(result.mod, layerfuse=True)
+    feeds = feeds_for(model, seed=3)
+    (ref,) = run_onnxruntime(model, feeds)
+    (got,) = run(fused, list(feeds.values()))
+    assert rel_err(ref, got) <= RTOL

@@ -43,8 +43,8 @@ class PrologueReport:
 
 
 def _leading_blocks(func) -> list[str]:
-    """Names of the element-wise blocks before the padding stage: the top-level nests before
-    the first one that has a reduction iter var, minus the last of them (``pad_temp``)."""
+    """Names of the element-wise blocks before the conv: the top-level nests before the first
+    one that has a reduction iter var, except the conv's own padding stage (``pad_temp``)."""
     root = _tir.root_block(func)
     if root is None:
         return []
@@ -56,7 +56,7 @@ def _leading_blocks(func) -> list[str]:
         if any(int(iv.iter_type) != 0 for iv in nest.block.iter_vars):
             break
         names.append(nest.block.name_hint)
-    return names[:-1]
+    return [n for n in names if not n.startswith("pad_temp")]
 
 
 @tvm.transform.module_pass(opt_level=0, name="InlinePrologue")
