@@ -334,10 +334,6 @@ class InPlaceConcat:
         return bb.normalize(new)
 
     @staticmethod
-    def _prefix_owner(site, index, claimed, by_var):
-        return _prefix_owner(site, index, claimed, by_var)
-
-    @staticmethod
     def _view_reason(site: "_Site", index: "_Block", outer) -> Optional[str]:
         """Why concat ``site`` cannot be read as a region of a block, or None."""
         var = site.var
@@ -387,7 +383,7 @@ class InPlaceConcat:
                 why = f"its output is written into concat {outer.name} (nesting disabled)"
             elif any(a.same_as(b) for j, a in enumerate(site.args) for b in site.args[j + 1 :]):
                 why = "an input appears twice; one tensor cannot live at two offsets"
-            owner = self._prefix_owner(site, index, claimed, by_var) if why is None and self.prefix else None
+            owner = _prefix_owner(site, index, claimed, by_var) if why is None and self.prefix else None
             if owner is not None:  # a prefix of a concat that already plans the block
                 why = self._view_reason(site, index, outer)
                 if why is None:
@@ -422,11 +418,7 @@ class InPlaceConcat:
                     if inner is not None and status.get(inner.var) == "in_place" and leaf.field is None:
                         parent[inner.var] = site.var
                         status[inner.var] = "view"
-        for var, owner in prefix_of.items():
-            if status.get(owner) == "fallback":  # pragma: no cover - owners are decided first
-                status[var], reason[var] = "fallback", f"concat {owner.name} it is a prefix of stays a copy"
-            else:
-                parent[var] = owner
+        parent.update(prefix_of)  # an owner claimed its leaves, so it is in place (or a nested view)
         plan = _Plan(sites=sites, by_var=by_var, status=status, leaves=leaves, parent=parent, prefix_of=prefix_of)
         plan.place()
         for site in sites:
