@@ -198,3 +198,38 @@ def test_prologue_before_a_padded_3x3_conv_matches_onnxruntime():
     (ref,) = run_onnxruntime(model, feeds)
     (got,) = run(fused, list(feeds.values()))
     assert rel_err(ref, got) <= RTOL
+
+
+@pytest.mark.slow
+def test_cli_compiles_and_runs_a_torchvision_densenet(tmp_path):
+    """``compile --input-shape`` (batch 2 for a model exported with a dynamic batch), then
+    ``run`` (TVM runtime only): fused and ``--no-fuse`` both equal onnxruntime."""
+    import subprocess
+    import sys
+
+    import onnx
+
+    model = zoo.densenet121(concat="torch", seed=5, **SMALL)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"  # as torch's dynamic_axes writes it
+    path = tmp_path / "densenet_tv.onnx"
+    onnx.save(model, str(path))
+    x = np.random.default_rng(5).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    (expected,) = run_onnxruntime(model, {"input": x})
+
+    def cli(*args):
+        p = subprocess.run([sys.executable, "-m", "tvm_layerfuse", *args], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+        return p
+
+    outs = {}
+    for name, extra in (("fused", ()), ("plain", ("--no-fuse",))):
+        art = tmp_path / name
+        p = cli("compile", str(path), "--input-shape", "input=2,3,32,32", "-o", str(art), *extra)
+        if name == "fused":
+            assert "7 in-place concat" in p.stdout and "concatenate copies left: 0 (0 bytes)" in p.stdout
+        cli("run", str(art), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / f"{name}.npz"))
+        with np.load(tmp_path / f"{name}.npz") as y:
+            outs[name] = y["output"]
+        assert rel_err(expected, outs[name]) <= RTOL
+    assert rel_err(outs["plain"], outs["fused"]) <= RTOL
