@@ -213,7 +213,7 @@ def compile_and_compare(model: onnx.ModelProto, *, seed: int = 1):
     kernels = kernel_count(fused_ex)
     ours = [n for n in kernels.names if n.startswith("layerfuse_")]
     # each epilogue group is one kernel, unless a BatchNorm+Relu prologue group took it in
-    prologues = result.report.get("prologues", [])
+    prologues = result.report["prologues"]
     absorbed = sum(1 for g in prologues if g.get("absorbs"))
     assert len(ours) == len(result.report["groups"]) - absorbed + len(prologues), (kernels.names, result.report["groups"])
     return result, kernels, kernel_count(plain_ex)

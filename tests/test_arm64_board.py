@@ -13,8 +13,8 @@ import onnx
 import pytest
 
 from tvm_layerfuse import deploy as rpc
-from tvm_layerfuse.deploy import board
 from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.deploy import board
 from tvm_layerfuse.testing import zoo
 from tvm_layerfuse.testing.checks import run_onnxruntime
 

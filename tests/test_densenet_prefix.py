@@ -12,9 +12,9 @@ import re
 import numpy as np
 import pytest
 import tvm
-from graphs import RTOL, rel_err
 from tvm import relax
 
+from graphs import RTOL, rel_err
 from tvm_layerfuse.compile import report as compile_report
 from tvm_layerfuse.lowering import InlinePrologue, concat_report, layerfuse_pipeline
 from tvm_layerfuse.planner import plan

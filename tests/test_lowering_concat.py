@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import tvm
-from graphs import RTOL, Net, feeds_for, rel_err, run_ort
 from tvm import relax
 from tvm.script import tirx as T
 
+from graphs import RTOL, Net, feeds_for, rel_err, run_ort
 from tvm_layerfuse.errors import UsageError
 from tvm_layerfuse.lowering import (
     _tir,

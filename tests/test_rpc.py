@@ -26,8 +26,8 @@ import pytest
 from graphs import Net
 from tvm_layerfuse import deploy as rpc
 from tvm_layerfuse import runtime
-from tvm_layerfuse.deploy import board
 from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.deploy import board
 from tvm_layerfuse.errors import ArtifactError, InputError, UsageError
 from tvm_layerfuse.testing import zoo
 from tvm_layerfuse.testing.checks import run_onnxruntime

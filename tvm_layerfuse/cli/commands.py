@@ -104,6 +104,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     compile_model(
         model,
         out,
+        on_commit=args.interrupts.done,  # from the artifact's rename on, the command is done
         target=args.target,
         arch=args.arch,
         fuse=not args.no_fuse,
@@ -199,40 +200,89 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@contextlib.contextmanager
-def _watch_interrupts():
-    """Record each SIGINT (still raising KeyboardInterrupt) while the command runs."""
-    seen: list[int] = []
-    previous = signal.getsignal(signal.SIGINT)
-    # Only Python's own handler is wrapped: an ignored SIGINT stays ignored, and signal
-    # handlers can only be set from the main thread.
-    if previous is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
-        yield seen
-        return
-
-    def on_sigint(signum, frame):
-        seen.append(signum)
-        signal.default_int_handler(signum, frame)
-
-    signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield seen
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 INTERRUPTED = "error: interrupted; nothing was written"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+class Interrupts:
+    """SIGINT while a command runs: recorded and raised as ``KeyboardInterrupt`` until the
+    command's result is in place (:meth:`done`), ignored from then on.
+
+    So one Ctrl-C at any instant ends either with nothing written, ``error: interrupted;
+    nothing was written`` and status 130, or with the complete result and status 0.
+    """
+
+    def __init__(self, *, ignore_when_done: bool = False) -> None:
+        self.seen: list[int] = []
+        self.finished = False
+        self.ignore_when_done = ignore_when_done
+
+    def __call__(self, signum, frame) -> None:
+        if self.finished:
+            return
+        if _importing(frame):
+            # Raised while an extension module initialises (onnx's, TVM's), the interrupt
+            # would abort the process: C++ cannot unwind it. It comes again after the import.
+            self._again()
+            return
+        self.seen.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    def _again(self) -> None:
+        main = threading.main_thread().ident
+        timer = threading.Timer(0.02, lambda: signal.pthread_kill(main, signal.SIGINT))
+        timer.daemon = True
+        timer.start()
+
+    def done(self) -> None:
+        """The result is in place: later interrupts change nothing. With ``ignore_when_done``
+        (the process is the command) SIGINT is ignored from here to the process's end: Python
+        resets its handlers to the default (death by the signal) while it shuts down."""
+        self.finished = True
+        if self.ignore_when_done and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside an import (importlib's frames are on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def _watch_interrupts(*, keep: bool = False):
+    """:class:`Interrupts` as the SIGINT handler while the command runs (``keep``: and after,
+    for ``python -m tvm_layerfuse``, whose process ends with the command)."""
+    interrupts = Interrupts(ignore_when_done=keep)
+    previous = signal.getsignal(signal.SIGINT)
+    # Only Python's own handler is replaced: an ignored SIGINT stays ignored, and signal
+    # handlers can only be set from the main thread.
+    if previous is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
+        yield interrupts
+        return
+    signal.signal(signal.SIGINT, interrupts)
     try:
-        return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before the command started (imports, argument parsing)
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
+        yield interrupts
+    finally:
+        interrupts.done()
+        if not keep:
+            signal.signal(signal.SIGINT, previous)
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
+def main(argv: Optional[Sequence[str]] = None, *, standalone: bool = False) -> int:
+    """Run the command line; returns the exit status. ``standalone``: this process is the
+    command (``python -m tvm_layerfuse``): interrupts stay handled until it exits."""
+    with _watch_interrupts(keep=standalone) as interrupts:
+        try:
+            return _main(argv, interrupts)
+        except KeyboardInterrupt:  # Ctrl-C before the command started (imports, argument parsing)
+            print(INTERRUPTED, file=sys.stderr)
+            return 130
+
+
+def _main(argv: Optional[Sequence[str]], interrupts: Interrupts) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
@@ -240,8 +290,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
-    with _watch_interrupts() as interrupts:
-        return _run(args, interrupts)
+    args.interrupts = interrupts
+    return _run(args, interrupts.seen)
 
 
 def _run(args: argparse.Namespace, interrupts: list[int]) -> int:

@@ -25,13 +25,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from .. import __version__
-from ..runtime import artifact
 from ..errors import BuildError, first_line
+from ..runtime import artifact
+from ..runtime.io import savez
 from .presets import TargetSpec, check_toolchain, resolve
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,11 @@ def compile_model(
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     force: bool = False,
     progress: bool = True,
+    on_commit: Optional[Callable[[], None]] = None,
 ) -> Path:
-    """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``."""
+    """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``.
+
+    ``on_commit()`` runs the instant the artifact is in place (see :func:`artifact.write_artifact`)."""
     spec = resolve(target, arch=arch)
     check_toolchain(spec)
     from tqdm import tqdm
@@ -88,10 +92,10 @@ def compile_model(
 
             def fill(tmp: Path) -> dict[str, Any]:
                 shutil.copyfile(library, tmp / artifact.LIBRARY)
-                np.savez(tmp / artifact.PARAMS, **dict(zip(names, weights)))
+                savez(tmp / artifact.PARAMS, dict(zip(names, weights)))
                 return _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
 
-            artifact.write_artifact(Path(out), fill, overwrite=force)
+            artifact.write_artifact(Path(out), fill, overwrite=force, on_commit=on_commit)
     log.info("compiled %s for %s in %s", p.model, spec.preset, timings)
     return Path(out)
 
@@ -104,7 +108,7 @@ def relax_module(model: Any, *, plan: Any, fuse: bool, input_shapes=None):
 
     if fuse:
         result = fuse_with_report(model, plan=plan, input_shapes=input_shapes, bind=False)
-        return result.mod, result.params, _jsonable(result.report)
+        return result.mod, result.params, result.report.to_dict()
     mod, params, _ = import_onnx(model, input_shapes=input_shapes)
     return mod, params, {}
 
@@ -264,15 +268,3 @@ def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model)
     }
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple, set)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    if hasattr(v, "to_dict"):
-        return _jsonable(v.to_dict())
-    if hasattr(v, "__dict__"):
-        return _jsonable(vars(v))
-    return str(v)

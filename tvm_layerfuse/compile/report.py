@@ -22,7 +22,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-
 _MOVEMENT = re.compile(r"(fused|concatenate|split|strided|slice|reshape|squeeze|expand|dims|transpose|take)\d*")
 
 
@@ -81,9 +80,8 @@ def compare(
         report["bytes_written"] = written["compute"] + split + report["concat_bytes_copied"]
         sides[name] = report
     baseline, ours = sides["default"], sides["layerfuse"]
-    horizontal = result.report.get("horizontal") or {}
-    merged = horizontal.get("merged", []) if isinstance(horizontal, dict) else getattr(horizontal, "merged", [])
-    return {"default": baseline, "layerfuse": ours, "parallel_conv_groups": len(merged)}
+    horizontal = result.report.horizontal
+    return {"default": baseline, "layerfuse": ours, "parallel_conv_groups": len(horizontal.merged) if horizontal else 0}
 
 
 def text(report: dict[str, Any]) -> str:

@@ -31,8 +31,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from ..runtime import artifact
 from ..errors import BuildError, UsageError
+from ..runtime import artifact
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +123,11 @@ def make_bundle(
     if not python.replace(".", "").isdigit() or python.count(".") != 1:
         raise UsageError(f"--python {python!r} is not a version; expected MAJOR.MINOR such as 3.12")
     out = Path(out)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another -o")
-    if out.exists() and not force:
-        raise UsageError(f"output {str(out)!r} already exists; remove it or pass --force")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    parent = artifact.output_parent(out, overwrite=force)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    except OSError as e:
+        raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
     tmp.chmod(0o755)
     try:
         site = tmp / "site"

@@ -42,7 +42,8 @@ class TrackerClient:
         except ConnectionRefusedError:
             raise StepFailure(
                 "unreachable",
-                f"cannot connect to the tracker {where}: connection refused; start it: python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port {addr[1]}",
+                f"cannot connect to the tracker {where}: connection refused; start it: "
+                f"python -m tvm.exec.rpc_tracker --host 0.0.0.0 --port {addr[1]}",
             ) from None
         except socket.timeout:
             raise StepFailure(

@@ -169,7 +169,8 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
             if len(flat) != len(job["outputs"]):
                 raise StepFailure(
                     "artifact",
-                    f"the library returned {len(flat)} outputs on board {board}; the manifest lists {len(job['outputs'])} - re-run `compile`",
+                    f"the library returned {len(flat)} outputs on board {board}; "
+                    f"the manifest lists {len(job['outputs'])} - re-run `compile`",
                 )
             outs = [o.numpy() for o in flat]
             # Timed runs in chunks of about timeout/2 each (time_evaluator adds one warm-up

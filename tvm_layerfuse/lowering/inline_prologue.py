@@ -29,13 +29,14 @@ import tvm
 from tvm import s_tir
 
 from ..relax.fuse_prologue import PROLOGUE_PREFIX
+from ..report import Report
 from . import _tir
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class PrologueReport:
+class PrologueReport(Report):
     """Per kernel: the blocks inlined, and those left (with the reason)."""
 
     inlined: dict = field(default_factory=dict)  # kernel -> [block names]

@@ -36,6 +36,7 @@ import tvm
 from tvm import relax
 
 from ..relax._ir import is_primitive, op_name
+from ..report import Report
 from . import _tir
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ _CALL_TIR = "relax.call_tir"
 
 
 @dataclass
-class SplitReport:
+class SplitReport(Report):
     """What :class:`SplitOutputBuffers` did on its last run."""
 
     rewritten: list[dict] = field(default_factory=list)  # {"function", "producer", "split", "parts"}
@@ -114,7 +115,8 @@ class SplitOutputBuffers:
             return mod
         if not relax.analysis.check_well_formed(out):  # never hand on a broken module: undo everything
             for entry in self.report.rewritten:
-                self.report.refused.append({"function": entry["function"], "split": entry["split"], "reason": "internal: the rewritten module was not well formed"})
+                reason = "internal: the rewritten module was not well formed"
+                self.report.refused.append({"function": entry["function"], "split": entry["split"], "reason": reason})
             self.report.rewritten = []
             log.warning("SplitOutputBuffers: the rewritten module is not well formed; every split kept")
             return mod
@@ -233,7 +235,11 @@ def drop_unused_prim_funcs(mod: tvm.IRModule, candidates) -> tvm.IRModule:
     for _, func in mod.functions_items():
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func.body, visit)
-    dead = [gv for gv in mod.get_global_vars() if gv.name_hint not in called and any(gv.same_as(c) or gv.name_hint == c.name_hint for c in candidates)]
+    dead = [
+        gv
+        for gv in mod.get_global_vars()
+        if gv.name_hint not in called and any(gv.same_as(c) or gv.name_hint == c.name_hint for c in candidates)
+    ]
     if not dead:
         return mod
     keep = {gv: f for gv, f in mod.functions_items() if not any(gv.same_as(d) for d in dead)}

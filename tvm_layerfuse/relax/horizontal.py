@@ -61,6 +61,9 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..planner import FusionPlan
+from ..report import Report
+from ..templates.base import Refusal
 from ._ir import FunctionFacts, is_primitive, op_name, param_names, weight_param
 from .cancel_split_concat import cancel_split_concat, remove_unused_dataflow_bindings, with_blocks
 
@@ -109,17 +112,8 @@ class MergedGroup:
     activation: Optional[str]
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """A set of convolutions that could have merged and did not, with the reason."""
-
-    function: str
-    convs: tuple[str, ...]
-    reason: str
-
-
 @dataclass
-class MergeReport:
+class MergeReport(Report):
     """What one run of :class:`MergeParallelConv2D` did."""
 
     merged: list[MergedGroup] = field(default_factory=list)
@@ -616,7 +610,9 @@ def _requested_groups(
 def _refuse(
     report: MergeReport, function: str, convs: tuple[str, ...], reason: str, *, level: int = logging.WARNING
 ) -> None:
-    report.refused.append(Refusal(function, tuple(convs), reason))
+    report.refused.append(
+        Refusal(template="MergeParallelConv2D", kind="horizontal", layers=list(convs), reason=reason, function=function)
+    )
     where = f" in {function}" if function else ""
     log.log(level, "MergeParallelConv2D: not merging %s%s: %s", list(convs), where, reason)
 
@@ -730,7 +726,7 @@ def _describe(function: str, group: Sequence[_Branch]) -> MergedGroup:
 # --------------------------------------------------------------------------- plan -> groups
 
 
-def merge_groups_from_plan(plan: Any, mod: tvm.IRModule) -> list[list[str]]:
+def merge_groups_from_plan(plan: FusionPlan, mod: tvm.IRModule) -> list[list[str]]:
     """The plan's horizontal groups as weight parameter names of ``mod``.
 
     ``plan`` is a :class:`tvm_layerfuse.planner.FusionPlan`; ``mod`` is the Relax module

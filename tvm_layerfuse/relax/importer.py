@@ -229,8 +229,8 @@ def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def _is_topi_binary(func: tvm.tirx.PrimFunc, name: str, a: relax.Expr, b: relax.Expr) -> bool:
-    from tvm import te, tirx, topi
     import tvm_ffi
+    from tvm import te, tirx, topi
 
     shapes = []
     for e in (a, b):

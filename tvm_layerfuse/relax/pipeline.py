@@ -25,7 +25,6 @@ with.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -38,11 +37,13 @@ import tvm
 from tvm import relax
 
 from ..errors import UsageError
+from ..planner import FusionPlan
+from ..report import Report
 from ._ir import TargetLike, as_target, default_target, param_names, weight_param
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
 from .fuse_prologue import FuseConv2DPrologue, plan_prologue_convs
-from .horizontal import MergeParallelConv2D, merge_groups_from_plan
+from .horizontal import MergeParallelConv2D, MergeReport, merge_groups_from_plan
 from .importer import import_onnx
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,27 @@ _RESIDUAL_NAMES = {"residual": "add", "multiply": "mul"}
 
 
 @dataclass
+class FuseReport(Report):
+    """What the Relax passes of :func:`fuse_with_report` did, in their order."""
+
+    folded: list[dict[str, Any]] = field(default_factory=list)  # FoldAffineIntoConv2D: {"op", "conv_weight", "var"}
+    fold_refused: list[dict[str, Any]] = field(default_factory=list)
+    horizontal: Optional[MergeReport] = None  # MergeParallelConv2D (None: not run)
+    groups: list[dict[str, Any]] = field(default_factory=list)  # FuseConv2DEpilogue: one per fused function
+    group_refused: list[dict[str, Any]] = field(default_factory=list)
+    # FuseConv2DPrologue: {"function", "conv_weight", "input", "absorbs"} per BatchNorm+Relu prologue group
+    prologues: list[dict[str, Any]] = field(default_factory=list)
+    prologue_refused: list[dict[str, Any]] = field(default_factory=list)
+    plan_check: Optional[dict[str, Any]] = None  # the plan's counts next to the passes' (with a plan)
+
+
+@dataclass
 class FuseResult:
     """What :func:`fuse_with_report` did."""
 
     mod: tvm.IRModule
-    plan: Any = None  # tvm_layerfuse.planner.FusionPlan, when one was used
-    report: dict[str, Any] = field(default_factory=dict)
+    plan: Optional[FusionPlan] = None  # when one was used
+    report: FuseReport = field(default_factory=FuseReport)
     params: dict[str, Any] = field(default_factory=dict)  # weight values (left unbound when bind=False)
 
 
@@ -67,7 +83,7 @@ class FuseResult:
 def fuse(
     mod_or_onnx: ModelLike,
     *,
-    plan: Any = None,
+    plan: Optional[FusionPlan] = None,
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     params: Optional[Mapping[str, Any]] = None,
     horizontal: bool = True,
@@ -85,7 +101,7 @@ def fuse(
 def fuse_with_report(
     mod_or_onnx: ModelLike,
     *,
-    plan: Any = None,
+    plan: Optional[FusionPlan] = None,
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     params: Optional[Mapping[str, Any]] = None,
     horizontal: bool = True,
@@ -100,7 +116,7 @@ def fuse_with_report(
         from ..planner import plan as make_plan
 
         plan = make_plan(graph)
-    report: dict[str, Any] = {}
+    report = FuseReport()
     fold_weights = epilogue_spec = None
     if plan is not None:
         fold_weights, epilogue_spec = plan_to_specs(plan, param_names(mod))
@@ -108,26 +124,29 @@ def fuse_with_report(
     # 1. vertical: fold BN / per-channel affine ops into the conv weights
     fold = FoldAffineIntoConv2D(only_weights=fold_weights)
     mod = fold(mod)
-    report["folded"] = list(fold.folded)
-    report["fold_refused"] = list(fold.refused)
+    report.folded = list(fold.folded)
+    report.fold_refused = list(fold.refused)
 
     # 2. horizontal: merge parallel convs (after the vertical folds, before the epilogue
     #    grouping hides the convs inside fused functions)
     if horizontal:
-        mod = _run_horizontal(mod, plan, report)
+        merge = MergeParallelConv2D(groups=merge_groups_from_plan(plan, mod) if plan is not None else None)
+        mod = merge(mod)
+        report.horizontal = merge.report
 
     # 3. vertical activation + element-wise epilogue: one fused function per group
     epilogue = FuseConv2DEpilogue(plan_spec=epilogue_spec)
     mod = epilogue(mod)
-    report["groups"] = list(epilogue.groups)
+    report.groups = list(epilogue.groups)
+    report.group_refused = list(epilogue.refused)
 
     # 4. pre-activation prologue: BatchNorm + Relu in front of a conv, inside its kernel
     prologue = FuseConv2DPrologue(plan_convs=None if plan is None else plan_prologue_convs(plan, param_names(mod)))
     mod = prologue(mod)
-    report["prologues"] = list(prologue.groups)
-    report["group_refused"] = list(epilogue.refused)
+    report.prologues = list(prologue.groups)
+    report.prologue_refused = list(prologue.refused)
     if plan is not None:
-        report["plan_check"] = _compare_with_plan(plan, report)
+        report.plan_check = _compare_with_plan(plan, report)
 
     if bind:
         mod = bind_params(mod, params)
@@ -342,7 +361,7 @@ def _has_relax_ops(mod: tvm.IRModule) -> bool:
 
 
 # ---------------------------------------------------------------------- plan <-> Relax
-def plan_to_specs(plan: Any, param_names: set[str]) -> tuple[set[str], dict[str, EpilogueSpec]]:
+def plan_to_specs(plan: FusionPlan, param_names: set[str]) -> tuple[set[str], dict[str, EpilogueSpec]]:
     """From a FusionPlan: the conv weights whose chains fold, and each conv's epilogue spec.
 
     Every Conv of the second graph gets a spec (a conv the plan left alone may still be
@@ -375,7 +394,7 @@ def plan_to_specs(plan: Any, param_names: set[str]) -> tuple[set[str], dict[str,
     return fold, spec
 
 
-def _compare_with_plan(plan: Any, report: dict[str, Any]) -> dict[str, Any]:
+def _compare_with_plan(plan: FusionPlan, report: FuseReport) -> dict[str, Any]:
     """Counts the plan promised next to what the Relax passes did; a mismatch is logged."""
     planned_bn = sum(
         1
@@ -384,8 +403,8 @@ def _compare_with_plan(plan: Any, report: dict[str, Any]) -> dict[str, Any]:
         if e.get("op") == "BatchNormalization" and e.get("folded")
     )
     planned_eltwise = len(plan.groups_of("eltwise"))
-    done_bn = sum(1 for f in report["folded"] if f["op"] == "BatchNormalization")
-    done_eltwise = sum(1 for g in report["groups"] if g.get("extra_input"))
+    done_bn = sum(1 for f in report.folded if f["op"] == "BatchNormalization")
+    done_eltwise = sum(1 for g in report.groups if g.get("extra_input"))
     check = {
         "batchnorm_folded": {"plan": planned_bn, "relax": done_bn},
         "eltwise_merged": {"plan": planned_eltwise, "relax": done_eltwise},
@@ -402,14 +421,6 @@ def _all_epilogue_entries(layer) -> list[dict[str, Any]]:
     for b in (fused.get("branches") or {}).values():
         entries.extend((b or {}).get("epilogue", []))
     return entries
-
-
-def _run_horizontal(mod: tvm.IRModule, plan: Any, report: dict[str, Any]) -> tvm.IRModule:
-    groups = merge_groups_from_plan(plan, mod) if plan is not None else None
-    merge = MergeParallelConv2D(groups=groups)
-    mod = merge(mod)
-    report["horizontal"] = dataclasses.asdict(merge.report)
-    return mod
 
 
 # ---------------------------------------------------------------------- loading

@@ -20,7 +20,7 @@ import os
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, BinaryIO, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -157,10 +157,18 @@ def check_output_path(path: Union[str, os.PathLike]) -> Path:
     return path
 
 
+def savez(file: Union[str, os.PathLike, BinaryIO], arrays: Mapping[str, np.ndarray]) -> None:
+    """``np.savez``'s own layout, written entry by entry, so that any name is a valid key
+    (``np.savez(file, **arrays)`` takes an array called ``file`` for its own argument)."""
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, value in arrays.items():
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)
+
+
 def write_outputs(path: Union[str, os.PathLike], outputs: Mapping[str, np.ndarray]) -> Path:
     """Write ``outputs`` to the .npz ``path`` atomically (a temporary file beside it, then
-    rename): all or nothing. Entries are named after the outputs, whatever the names are
-    (``np.savez(**outputs)`` would take an output called ``file`` for its own argument)."""
+    rename): all or nothing, entries named after the outputs (:func:`savez`)."""
     path = check_output_path(path)
     parent = path.parent if str(path.parent) else Path(".")
     try:
@@ -169,11 +177,7 @@ def write_outputs(path: Union[str, os.PathLike], outputs: Mapping[str, np.ndarra
         raise UsageError(f"cannot write {str(path)!r} ({e.strerror}); choose a writable --output") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            # np.savez's own layout, written entry by entry
-            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-                for name, value in outputs.items():
-                    with zf.open(f"{name}.npy", "w", force_zip64=True) as entry:
-                        np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)
+            savez(f, outputs)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -25,8 +25,8 @@ from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
-from . import artifact
 from ..errors import ArtifactError, DeviceError, InputError, first_line
+from . import artifact
 
 log = logging.getLogger(__name__)
 
