@@ -204,9 +204,14 @@ class FuseConv2DPrologue:
                 z = fb.emit(relax.op.nn.relu(a))
                 mapping = {head: z}
                 sub = _Substitute(mapping)
-                for var, value in bindings:
-                    mapping[var] = fb.emit(sub.visit_expr(value))
-                out = fb.emit_output(sub.visit_expr(result))
+                out = None
+                for k, (var, value) in enumerate(bindings):
+                    if k == len(bindings) - 1 and result.same_as(var):  # the group's result
+                        out = mapping[var] = fb.emit_output(sub.visit_expr(value))
+                    else:
+                        mapping[var] = fb.emit(sub.visit_expr(value))
+                if out is None:
+                    out = fb.emit_output(sub.visit_expr(result))
             fb.emit_func_output(out)
         group = fb.get()[name]
         gv = bb.add_func(group, name)
@@ -250,7 +255,10 @@ class _Rewriter(relax.PyExprMutator):
         t = self.builder_.emit(op.reshape(t, [1, c, 1, 1]))
         gv, rest = self.owner.make_group(m, self.bb)
         call = relax.Call(gv, [x, s, t, *[self.visit_expr(a) for a in rest]])
-        new_var = self.builder_.emit(call, name_hint=binding.var.name)
+        if isinstance(binding.var, relax.DataflowVar):
+            new_var = self.builder_.emit(call, name_hint=binding.var.name)
+        else:  # the conv's output leaves the dataflow block (a graph output)
+            new_var = self.builder_.emit_output(call, name_hint=binding.var.name)
         self.set_var_remap(binding.var, new_var)
         self.owner.groups.append(
             {
