@@ -39,11 +39,11 @@ def test_full_densenet121_every_concat_in_place(concat):
     assert p.counts()["concat_in_place"] == len(concats)
     assert p.refusals_of("concat") == []
     if concat == "torch":
-        views = [l for l in p.second if l.fused.get("view_of")]
-        blocks = {l.fused["view_of"] for l in views}
+        views = [l for l in p.second if l.fused.in_place and l.fused.concat.view_of]
+        blocks = {l.fused.concat.view_of for l in views}
         assert len(views) == 58 and len(blocks) == 4
         # each producer writes once, into its dense block's one buffer
-        writes = [t for l in p.second for t in l.fused.get("writes_into", {})]
+        writes = [t for l in p.second for t in l.fused.writes_into]
         assert len(writes) == len(set(writes)) == 58 + 4
         # and every dense layer's norm1 + relu1 is its conv1's prologue
         assert len(p.groups_of("vertical.preactivation")) == 58 + 3

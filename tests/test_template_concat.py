@@ -97,7 +97,7 @@ def test_nested_concats_share_one_block():
     p = assert_realizes(model)
     assert len(p.groups_of("concat")) == 2
     cat1 = p.second.layer("cat1")
-    assert cat1.fused["writes_into"][c1] == {"concat": "cat2", "axis": 1, "range": [0, 6], "byte_offset": 0}
+    assert cat1.fused.writes_into[c1].to_dict() == {"concat": "cat2", "axis": 1, "range": [0, 6], "byte_offset": 0}
 
 
 def _torchvision_dense_block(n: Net, x0: str, layers: int, *, prefix: str = "") -> tuple[list[str], str]:
@@ -121,20 +121,20 @@ def test_prefix_concats_share_one_block(batch):
     p = assert_realizes(model)
     assert p.refusals_of("concat") == [] and len(p.groups_of("concat")) == 4
     block = p.second.layer("cat4")
-    assert block.fused["in_place"] and not block.fused.get("view_of")
-    assert block.fused["views"] == ["cat3", "cat2", "cat1"]  # largest first
+    assert block.fused.in_place and block.fused.concat.view_of is None
+    assert block.fused.concat.views == ("cat3", "cat2", "cat1")  # largest first
     whole, parts = _slot_values(model, p, "cat4")
     for view in ("cat1", "cat2", "cat3"):
         layer = p.second.layer(view)
-        assert layer.fused["view_of"] == "cat4" and layer.fused["contiguous"] is (batch == 1)
-        lo, hi = layer.fused["range"]
+        assert layer.fused.concat.view_of == "cat4" and layer.fused.concat.contiguous is (batch == 1)
+        lo, hi = layer.fused.concat.range
         assert lo == 0 and hi == 4 + 2 * (int(view[-1]) - 1)
         # the view's slots are the block's leading slots, at the same offsets
-        assert layer.fused["slots"] == block.fused["slots"][: len(layer.inputs)]
+        assert layer.fused.concat.slots == block.fused.concat.slots[: len(layer.inputs)]
         viewed, _ = _slot_values(model, p, view)
         np.testing.assert_array_equal(whole[:, lo:hi], viewed)
     # every producer writes once, into the one block
-    writes = [(t, w["concat"]) for l in p.second for t, w in l.fused.get("writes_into", {}).items()]
+    writes = [(t, w.concat) for l in p.second for t, w in l.fused.writes_into.items()]
     assert sorted(writes) == sorted((t, "cat4") for t in block.inputs)
     text = plan_text(p, graphs=True)
     assert "prefix view [0:8] of the block of cat4" in text and "Concat(view of cat4)" in text
@@ -153,7 +153,7 @@ def test_prefix_view_that_is_a_graph_output_is_refused_exactly():
         "'cat2' is a prefix of concat 'cat3', whose block its inputs already write into, "
         f"but its output {cats[1]!r} is a graph output and needs storage of its own"
     )
-    assert p.second.layer("cat1").fused["view_of"] == "cat3"  # the other prefix is still a view
+    assert p.second.layer("cat1").fused.concat.view_of == "cat3"  # the other prefix is still a view
 
 
 def test_concat_reading_a_prefix_view_is_refused_exactly():

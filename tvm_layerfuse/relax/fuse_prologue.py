@@ -275,8 +275,7 @@ def plan_prologue_convs(plan: Any, param_names: set[str]) -> set[str]:
     Relu prologue (the form this pass realises; others stay with TVM's FuseOps)."""
     convs: set[str] = set()
     for layer in plan.second:
-        prologue = (layer.fused or {}).get("prologue") or []
-        if layer.op_type == "Conv" and [e.get("op") for e in prologue] == ["BatchNormalization", "Relu"]:
+        if layer.op_type == "Conv" and [e.op for e in layer.fused.prologue] == ["BatchNormalization", "Relu"]:
             if len(layer.inputs) > 1:
                 convs.add(weight_param(layer.inputs[1], param_names) or layer.inputs[1])
     return convs

@@ -35,10 +35,12 @@ graph output, is overwritten in place by an epilogue, or already writes into ano
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from ..topology.facts import ConcatBlock, ConcatSlot, ConcatWrite
 from ..topology.graph import Layer, TopologyGraph
 from .base import Match, Template
 
@@ -49,7 +51,7 @@ class InPlaceConcat(Template):
     description = "Concat whose producers write into one block at offsets (no copy)"
 
     def pattern(self, graph: TopologyGraph) -> Iterator[Match]:
-        concats = [l for l in graph if l.op_type == "Concat" and not l.domain and not l.fused.get("in_place")]
+        concats = [l for l in graph if l.op_type == "Concat" and not l.domain and not l.fused.in_place]
         for layer in prefix_order(graph, concats):
             producers = [graph.tensor(i).producer for i in layer.inputs]
             yield Match(self.name, [layer.name] + [p for p in producers if p is not None])
@@ -82,14 +84,14 @@ class InPlaceConcat(Template):
             if not t.known_shape:
                 return f"the shape of input {name!r} is unknown"
             producer = graph.layer(t.producer)
-            if producer.fused.get("view_of"):
-                block = producer.fused["view_of"]
+            if producer.fused.concat is not None and producer.fused.concat.view_of is not None:
+                block = producer.fused.concat.view_of
                 return f"input {name!r} is a prefix view of concat {block!r} and already lives in its block"
-            writes = producer.fused.get("writes_into", {})
+            writes = producer.fused.writes_into
             if name in writes:
-                return f"input {name!r} already writes into concat {writes[name]['concat']!r}"
+                return f"input {name!r} already writes into concat {writes[name].concat!r}"
             for reader in graph.consumers(name):
-                if reader.fused.get("overwrite_extra_input") and reader.fused.get("extra_input") == name:
+                if reader.fused.overwrite_extra_input and reader.fused.extra_input == name:
                     return f"input {name!r} is overwritten in place by the epilogue of {reader.name!r}"
         return None
 
@@ -108,50 +110,49 @@ class InPlaceConcat(Template):
         start = 0
         for name in concat.inputs:
             size = int(graph.tensor(name).shape[axis])
-            slot = {
-                "tensor": name,
-                "producer": graph.tensor(name).producer,
-                "range": [start, start + size],
-                "byte_offset": start * inner * itemsize if contiguous else None,
-                "bytes": size * inner * itemsize * int(np.prod(shape[:axis], dtype=np.int64)),
-            }
+            slot = ConcatSlot(
+                tensor=name,
+                producer=graph.tensor(name).producer,
+                range=(start, start + size),
+                byte_offset=start * inner * itemsize if contiguous else None,
+                bytes=size * inner * itemsize * int(np.prod(shape[:axis], dtype=np.int64)),
+            )
             slots.append(slot)
-            producer = graph.layer(slot["producer"])
-            producer.fused.setdefault("writes_into", {})[name] = {
-                "concat": concat.name,
-                "axis": axis,
-                "range": slot["range"],
-                "byte_offset": slot["byte_offset"],
-            }
+            producer = graph.layer(slot.producer)
+            write = ConcatWrite(concat=concat.name, axis=axis, range=slot.range, byte_offset=slot.byte_offset)
+            producer.fused = producer.fused.writing_into(name, write)
             start += size
         concat.template = self.name
-        concat.fused.update({"in_place": True, "axis": axis, "contiguous": contiguous, "slots": slots})
+        block = ConcatBlock(axis=axis, contiguous=contiguous, slots=tuple(slots))
+        concat.fused = dataclasses.replace(concat.fused, concat=block)
         details = {
             "axis": axis,
             "contiguous": contiguous,
             "block_bytes": out.nbytes,
-            "offsets": [{k: s[k] for k in ("tensor", "producer", "range", "byte_offset")} for s in slots],
+            "offsets": [
+                {"tensor": s.tensor, "producer": s.producer, "range": list(s.range), "byte_offset": s.byte_offset} for s in slots
+            ],
         }
         return concat, details
 
     def _merge_view(self, graph: TopologyGraph, concat: Layer, block: Layer) -> tuple[Layer, dict[str, Any]]:
         """``concat`` becomes the prefix view ``block[..., 0 : C, ...]`` of ``block``'s storage."""
-        n = len(concat.inputs)
-        slots = [dict(s) for s in block.fused["slots"][:n]]
-        end = slots[-1]["range"][1]
+        own = block.fused.concat
+        slots = own.slots[: len(concat.inputs)]  # the block's leading slots, same offsets
+        end = slots[-1].range[1]
         concat.template = self.name
-        concat.fused.update(
-            {"in_place": True, "axis": block.fused["axis"], "contiguous": block.fused["contiguous"], "slots": slots,
-             "view_of": block.name, "range": [0, end]}
-        )
-        block.fused.setdefault("views", []).append(concat.name)
+        view = ConcatBlock(axis=own.axis, contiguous=own.contiguous, slots=slots, view_of=block.name, range=(0, end))
+        concat.fused = dataclasses.replace(concat.fused, concat=view)
+        block.fused = dataclasses.replace(block.fused, concat=dataclasses.replace(own, views=own.views + (concat.name,)))
         details = {
-            "axis": block.fused["axis"],
-            "contiguous": block.fused["contiguous"],
+            "axis": own.axis,
+            "contiguous": own.contiguous,
             "block_bytes": graph.tensor(block.outputs[0]).nbytes,
             "view_of": block.name,
             "range": [0, end],
-            "offsets": [{k: s[k] for k in ("tensor", "producer", "range", "byte_offset")} for s in slots],
+            "offsets": [
+                {"tensor": s.tensor, "producer": s.producer, "range": list(s.range), "byte_offset": s.byte_offset} for s in slots
+            ],
         }
         return concat, details
 
@@ -205,10 +206,10 @@ def block_of(graph: TopologyGraph, concat: Layer) -> Optional[Layer]:
     t = graph.tensor(concat.inputs[0])
     if t.producer is None:
         return None
-    writes = graph.layer(t.producer).fused.get("writes_into", {})
+    writes = graph.layer(t.producer).fused.writes_into
     if concat.inputs[0] not in writes:
         return None
-    block = graph.layer(writes[concat.inputs[0]]["concat"])
+    block = graph.layer(writes[concat.inputs[0]].concat)
     return block if is_prefix(graph, concat, block) else None
 
 
@@ -217,14 +218,14 @@ def view_reason(graph: TopologyGraph, concat: Layer, block: Layer) -> Optional[s
     out = concat.outputs[0]
     t = graph.tensor(out)
     where = f"{concat.name!r} is a prefix of concat {block.name!r}, whose block its inputs already write into"
-    if not block.fused.get("in_place"):
+    if not block.fused.in_place:
         return f"{where}, but that concat is not in place"
     if t.is_output:
         return f"{where}, but its output {out!r} is a graph output and needs storage of its own"
-    if concat.fused.get("writes_into"):
-        other = next(iter(concat.fused["writes_into"].values()))["concat"]
+    if concat.fused.writes_into:
+        other = next(iter(concat.fused.writes_into.values())).concat
         return f"{where}, but its output {out!r} already writes into concat {other!r}"
     for reader in graph.consumers(out):
-        if reader.fused.get("overwrite_extra_input") and reader.fused.get("extra_input") == out:
+        if reader.fused.overwrite_extra_input and reader.fused.extra_input == out:
             return f"{where}, but its output {out!r} is overwritten in place by the epilogue of {reader.name!r}"
     return None
