@@ -9,6 +9,7 @@
       2. MergeParallelConv2D     horizontal       parallel convs -> one conv + split (relax/horizontal.py)
       3. FuseConv2DEpilogue      vertical + eltwise  conv + bias + [residual] + [act] -> one function
       4. FuseConv2DPrologue      vertical (pre-activation)  BatchNorm + Relu -> that conv's prologue
+      5. AbsorbElementwiseConsumers                what FuseOps would still fuse after a group joins it
       bind_params                                 W', b' become constants, computed once here
                                                   (LiftTransformParams + one compile, then BindParams)
 
@@ -40,6 +41,7 @@ from ..errors import UsageError
 from ..planner import FusionPlan
 from ..report import Report
 from ._ir import TargetLike, as_target, default_target, param_names, weight_param
+from .absorb_elementwise import AbsorbElementwiseConsumers
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
 from .fuse_prologue import FuseConv2DPrologue, plan_prologue_convs
@@ -50,8 +52,18 @@ log = logging.getLogger(__name__)
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, tvm.IRModule]
 
-_ACTIVATION_NAMES = {"Relu": "relu", "Clip": "clip", "LeakyRelu": "leakyrelu", "SiLU": "silu"}
-_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul"}
+_ACTIVATION_NAMES = {
+    "Relu": "relu",
+    "Clip": "clip",
+    "LeakyRelu": "leakyrelu",
+    "SiLU": "silu",
+    "Sigmoid": "sigmoid",
+    "HardSigmoid": "hardsigmoid",
+    "HardSwish": "hardswish",
+    "PRelu": "prelu",
+    "Gelu": "gelu",
+}
+_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul", "gate": "gate", "post_add": "post_add"}
 
 
 @dataclass
@@ -66,6 +78,7 @@ class FuseReport(Report):
     # FuseConv2DPrologue: {"function", "conv_weight", "input", "absorbs"} per BatchNorm+Relu prologue group
     prologues: list[dict[str, Any]] = field(default_factory=list)
     prologue_refused: list[dict[str, Any]] = field(default_factory=list)
+    absorbed: list[dict[str, Any]] = field(default_factory=list)  # AbsorbElementwiseConsumers: {"function", "group", "ops"}
     plan_check: Optional[dict[str, Any]] = None  # the plan's counts next to the passes' (with a plan)
 
 
@@ -145,6 +158,12 @@ def fuse_with_report(
     mod = prologue(mod)
     report.prologues = list(prologue.groups)
     report.prologue_refused = list(prologue.refused)
+
+    # 5. what the plan left after a group that TVM's FuseOps would fuse into it (never more
+    #    kernels than the default pipeline)
+    absorb = AbsorbElementwiseConsumers()
+    mod = absorb(mod)
+    report.absorbed = list(absorb.absorbed)
     if plan is not None:
         report.plan_check = _compare_with_plan(plan, report)
 
