@@ -27,6 +27,7 @@ from onnx import helper, numpy_helper
 
 KINDS = ("scale", "zero_channel", "zero_row")
 SITES = ("early", "middle", "late")
+AFTER_ACTIVATION = ("Relu", "Clip", "LeakyRelu", "Sigmoid", "Concat", "Sum", "Add", "MaxPool", "AveragePool", "LRN")
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,17 @@ class Mutant:
 
 def activation_sites(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> dict[str, str]:
     """An early, a middle and a late 4-D activation (node output, not a graph output, with
-    values in ``values``), by position in node order."""
+    values in ``values``), by position in node order. Outputs of activations, pools, concats
+    and sums are preferred: a channel zeroed before a Relu that would have zeroed it anyway
+    is no bug."""
     declared = {o.name for o in model.graph.output}
-    acts = [
-        o
+    candidates = [
+        (n.op_type, o)
         for n in model.graph.node
         for o in n.output[:1]
         if o and o not in declared and np.ndim(values.get(o)) == 4 and np.shape(values[o])[2] > 1
     ]
+    acts = [o for op, o in candidates if op in AFTER_ACTIVATION] or [o for _, o in candidates]
     if not acts:
         raise ValueError(f"model {model.graph.name!r} has no 4-D activation to mutate")
     picks = (acts[len(acts) // 10], acts[len(acts) // 2], acts[-1])
