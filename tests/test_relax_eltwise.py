@@ -9,15 +9,13 @@ be exactly one kernel launch. One test runs a real network from the ONNX model z
 
 from __future__ import annotations
 
-
 import numpy as np
-
 import pytest
 import tvm
-from graphs import Net, compile_and_compare, feeds_for, run_ort
 from tvm.script import ir as I
 from tvm.script import relax as R
 
+from graphs import Net, compile_and_compare, feeds_for, run_ort
 from tvm_layerfuse.relax import FuseConv2DEpilogue
 from tvm_layerfuse.relax.fuse_epilogue import EpilogueSpec
 from tvm_layerfuse.relax.pipeline import build, count_kernels, fuse_with_report, run, unfused

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import BuildError, UsageError
+from ..errors import BuildError, UsageError
 
 
 @dataclass(frozen=True)
