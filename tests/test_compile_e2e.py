@@ -23,7 +23,7 @@ import pytest
 from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.runtime import load
 from tvm_layerfuse.testing import zoo
-from tvm_layerfuse.testing.checks import output_mismatches, run_onnxruntime, worst_error
+from tvm_layerfuse.testing.checks import gpu_present, output_mismatches, run_onnxruntime, worst_error
 from tvm_layerfuse.testing.weights import assert_live
 
 log = logging.getLogger(__name__)
@@ -35,20 +35,6 @@ MODELS = {
     "densenet121": (lambda: zoo.densenet121(image=32, seed=4, block_config=(2, 2)), 2),
     "squeezenet1_1": (lambda: zoo.squeezenet1_1(image=32, seed=5), 8),
 }
-
-
-def gpu_present() -> bool:
-    """A CUDA device the TVM runtime can open (driver and GPU), else False."""
-    import tvm
-
-    from tvm_layerfuse.errors import DeviceError
-    from tvm_layerfuse.runtime.loader import _load_cuda_runtime
-
-    try:
-        _load_cuda_runtime(tvm)
-    except DeviceError:
-        return False
-    return bool(tvm.cuda(0).exist)
 
 
 def compile_run_compare(model: onnx.ModelProto, tmp_path, *, target: str, device: str) -> float:

@@ -65,6 +65,21 @@ def output_mismatches(
     return problems
 
 
+def gpu_present() -> bool:
+    """Whether the TVM runtime can open a CUDA device here (a driver and a GPU); tests that
+    compare CUDA numbers skip, with that reason, when it cannot."""
+    import tvm
+
+    from ..errors import DeviceError
+    from ..runtime.loader import _load_cuda_runtime
+
+    try:
+        _load_cuda_runtime(tvm)
+    except DeviceError:
+        return False
+    return bool(tvm.cuda(0).exist)
+
+
 def plan_violations(p: "FusionPlan") -> list[str]:
     """What is wrong with plan ``p`` (empty when nothing is):
 
