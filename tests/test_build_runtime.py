@@ -20,6 +20,7 @@ from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError
 from tvm_layerfuse.runtime import artifact, load
 from tvm_layerfuse.testing import zoo
 from tvm_layerfuse.testing.checks import gpu_present
+from tvm_layerfuse.testing.weights import assert_live
 
 RTOL = 1e-4
 
@@ -66,6 +67,7 @@ def test_manifest_describes_the_artifact(cpu_artifacts):
 
 
 def test_fused_and_unfused_match_onnxruntime(cpu_artifacts, model_path):
+    assert_live(onnx.load(str(model_path)))  # else the comparison could not fail
     feeds = _feeds(model_path)
     (expected,) = run_ort(onnx.load(str(model_path)), feeds)
     fused, plain = cpu_artifacts

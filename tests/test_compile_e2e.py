@@ -33,8 +33,8 @@ MODELS = {
     "googlenet": (lambda: zoo.googlenet(image=32, seed=1, blocks=2), 2),
     "resnet50": (lambda: zoo.resnet50(image=32, seed=3, layers=(1, 1, 1, 1)), 0),
     "densenet121": (lambda: zoo.densenet121(image=32, seed=4, block_config=(2, 2)), 2),
-    "squeezenet1_1": (lambda: zoo.squeezenet1_1(image=32, seed=5), 8),
 }
+# SqueezeNet 1.1 goes the same way in test_build_runtime.py (test_fused_and_unfused_match_onnxruntime).
 
 
 def compile_run_compare(model: onnx.ModelProto, tmp_path, *, target: str, device: str) -> float:
@@ -64,17 +64,17 @@ def test_compiled_artifact_matches_onnxruntime(name, tmp_path, record_property):
     manifest = json.loads(next(tmp_path.glob("*-cpu/manifest.json")).read_text())
     assert manifest["fused"] is True
     assert manifest["fusion"]["plan"]["concat_in_place"] == concats
-    if name == "squeezenet1_1":  # the comparison can fail: the model with one bias 1 % off is reported
+    if name == "googlenet":  # the comparison can fail: the model with one bias 1 % off is reported
         from onnx import numpy_helper
 
-        (bias,) = [t for t in model.graph.initializer if t.name == "classifier.1.bias"]
+        (bias,) = [t for t in model.graph.initializer if t.name == "fc.bias"]
         bias.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(bias) * np.float32(1.01), bias.name))
         feeds = zoo.random_inputs(model, seed=7)
         got = [load(next(tmp_path.glob("*-cpu"))).run(feeds)["output"]]
         assert output_mismatches(run_onnxruntime(model, feeds), got), "a 1 % change of the classifier bias went unseen"
 
 
-@pytest.mark.parametrize("name", ["googlenet", "squeezenet1_1"])
+@pytest.mark.parametrize("name", ["googlenet", "resnet50"])
 def test_compiled_cuda_artifact_matches_onnxruntime(name, tmp_path):
     if not gpu_present():
         pytest.skip("no CUDA GPU visible to the TVM runtime on this machine (driver libcuda.so.1 and a device needed)")
