@@ -258,8 +258,8 @@ def test_resnet50_plan(bn, layers):
             if layer.op_type == "BatchNormalization":  # every BN folded into a conv's weights
                 fused = next(l for l in p.second if layer.name in l.members)
                 assert fused.op_type == "Conv"
-                (entry,) = [e for e in fused.fused["epilogue"] if e["layer"] == layer.name]
-                assert entry["folded"] is True
+                (entry,) = [e for e in fused.fused.epilogue if e.layer == layer.name]
+                assert entry.folded is True
         assert "BatchNormalization" not in p.second.op_counts()
     else:
         # Folded: stem + conv1 + conv2 take a ReLU; conv3 and downsample have nothing to
@@ -351,8 +351,8 @@ def test_mobilenet_v2_plan(bn, clip):
     clip_groups = [g for g in p.groups_of("vertical") if g.details["activation"] == "Clip"]
     assert len(clip_groups) == 1 + expand_blocks + blocks + 1
     for g in clip_groups:
-        (act,) = [e for e in p.intermediate.layer(g.layer).fused["epilogue"] if e["role"] == "activation"]
-        assert (act["min"], act["max"]) == (0.0, 6.0)
+        (act,) = [e for e in p.intermediate.layer(g.layer).fused.epilogue if e.role == "activation"]
+        assert (act.params["min"], act.params["max"]) == (0.0, 6.0)
     if bn == "separate":
         assert c["vertical"] == convs  # the project convs fold their BN too
     else:

@@ -66,7 +66,7 @@ class FusionPlan:
 
     def counts(self) -> dict[str, Any]:
         """Headline numbers of the plan."""
-        in_place = [l for l in self.second if l.fused.get("in_place")]
+        in_place = [l for l in self.second if l.fused.in_place]
         return {
             "layers_first": len(self.first),
             "layers_intermediate": len(self.intermediate),

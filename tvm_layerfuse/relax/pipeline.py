@@ -361,24 +361,23 @@ def plan_to_specs(plan: FusionPlan, param_names: set[str]) -> tuple[set[str], di
     for layer in plan.second:
         if layer.op_type != "Conv":
             continue
-        fused = layer.fused or {}
-        branches = fused.get("branches")
-        if branches:
-            weights = [plan.first.layer(b).inputs[1] for b in branches]
-            epilogues = [e for b in branches.values() for e in (b or {}).get("epilogue", [])]
+        fused = layer.fused
+        if fused.branches:
+            weights = [plan.first.layer(b).inputs[1] for b in fused.branches]
+            epilogues = [e for b in fused.branches.values() for e in b.epilogue]
         else:
             weights = [layer.inputs[1]] if len(layer.inputs) > 1 else []
-            epilogues = fused.get("epilogue", [])
+            epilogues = list(fused.epilogue)
         weights = [weight_param(w, param_names) or w for w in weights]
         residual = activation = None
-        for e in fused.get("epilogue", []):
-            if e.get("role") in _RESIDUAL_NAMES:
-                residual = _RESIDUAL_NAMES[e["role"]]
-            elif e.get("role") == "activation":
-                activation = _ACTIVATION_NAMES.get(e.get("op"), e.get("op", "").lower())
+        for e in fused.epilogue:
+            if e.role in _RESIDUAL_NAMES:
+                residual = _RESIDUAL_NAMES[e.role]
+            elif e.role == "activation":
+                activation = _ACTIVATION_NAMES.get(e.op, e.op.lower())
         for w in weights:
             spec[w] = EpilogueSpec(residual=residual, activation=activation)
-            if any(e.get("folded") for e in epilogues):
+            if any(e.folded for e in epilogues):
                 fold.add(w)
     return fold, spec
 
@@ -388,8 +387,8 @@ def _compare_with_plan(plan: FusionPlan, report: FuseReport) -> dict[str, Any]:
     planned_bn = sum(
         1
         for layer in plan.second
-        for e in _all_epilogue_entries(layer)
-        if e.get("op") == "BatchNormalization" and e.get("folded")
+        for e in layer.fused.all_epilogue_ops()
+        if e.op == "BatchNormalization" and e.folded
     )
     planned_eltwise = len(plan.groups_of("eltwise"))
     done_bn = sum(1 for f in report.folded if f["op"] == "BatchNormalization")
@@ -402,14 +401,6 @@ def _compare_with_plan(plan: FusionPlan, report: FuseReport) -> dict[str, Any]:
         if counts["plan"] != counts["relax"]:
             log.warning("plan/Relax mismatch: %s planned %d, done %d", what, counts["plan"], counts["relax"])
     return check
-
-
-def _all_epilogue_entries(layer) -> list[dict[str, Any]]:
-    fused = layer.fused or {}
-    entries = list(fused.get("epilogue", []))
-    for b in (fused.get("branches") or {}).values():
-        entries.extend((b or {}).get("epilogue", []))
-    return entries
 
 
 # ---------------------------------------------------------------------- loading

@@ -15,6 +15,7 @@ op, so the other operand is already computed when the fused kernel runs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Optional
 
 from ..topology.graph import Layer, TopologyGraph
@@ -88,7 +89,7 @@ class EltwiseEpilogue(Template):
         op = graph.layer(match.layers[0])
         conv, other = self._choose(graph, op)
         absorbed = [conv.name, op.name]
-        epilogue = list(conv.fused.get("epilogue", []))
+        epilogue = list(conv.fused.epilogue)
         epilogue.append(epilogue_entry(op, "residual" if op.op_type != "Mul" else "multiply", extra_input=other))
         out = op.outputs[0]
         nxt = graph.sole_consumer(out)
@@ -97,15 +98,14 @@ class EltwiseEpilogue(Template):
             act = activation_of(graph, nxt, out)
             if act is not None:
                 params = {k: v for k, v in act.items() if k not in ("op", "layers")}
-                epilogue.append(epilogue_entry(nxt, "activation", **params))
+                epilogue.append(epilogue_entry(nxt, "activation", params=params))
                 absorbed.append(nxt.name)
                 out = nxt.outputs[0]
                 activation = nxt.op_type
-        fused = dict(conv.fused) if conv.fused else {"prologue": []}
-        fused["epilogue"] = epilogue
-        fused["extra_input"] = other
         overwrite = self._may_overwrite(graph, other, fused=absorbed, op=op.name)
-        fused["overwrite_extra_input"] = overwrite
+        fused = dataclasses.replace(
+            conv.fused, epilogue=tuple(epilogue), extra_input=other, overwrite_extra_input=overwrite
+        )
         layer = Layer(
             name=conv.name,
             op_type=conv.op_type,

@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
+from ..topology.facts import EpilogueOp
 from ..topology.graph import Layer, TopologyGraph
 
 CONV_OPS = ("Conv",)
@@ -136,5 +137,23 @@ def activation_of(graph: TopologyGraph, layer: Layer, data: str) -> Optional[dic
     return None
 
 
-def epilogue_entry(layer: Layer, role: str, **extra: Any) -> dict[str, Any]:
-    return {"op": layer.op_type, "role": role, "layer": layer.name, **extra}
+def epilogue_entry(
+    layer: Layer,
+    role: str,
+    *,
+    op: Optional[str] = None,
+    params: Optional[dict[str, Any]] = None,
+    layers: Iterable[str] = (),
+    folded: bool = False,
+    extra_input: Optional[str] = None,
+) -> EpilogueOp:
+    """``layer`` as one op of an epilogue or prologue (``op`` overrides its op type)."""
+    return EpilogueOp(
+        op=op or layer.op_type,
+        role=role,
+        layer=layer.name,
+        params=dict(params or {}),
+        layers=tuple(layers),
+        folded=folded,
+        extra_input=extra_input,
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
+from ..topology.facts import EpilogueOp, LayerFacts
 from ..topology.graph import Layer, TopologyGraph
 from .base import Match, Template, members_of
 from .ops import AFFINE_BINARY, SIMPLE_ACTIVATIONS, activation_of, affine_reason, epilogue_entry, is_conv
@@ -34,7 +35,7 @@ def walk_epilogue(graph: TopologyGraph, start: Layer, *, allow_affine: bool = Tr
     a kind the template merges (so a refusal is worth reporting).
     """
     layers: list[str] = []
-    epilogue: list[dict[str, Any]] = []
+    epilogue: list[EpilogueOp] = []
     cur = start.outputs[0]
     stopped: Optional[str] = None
     candidate = False
@@ -70,7 +71,7 @@ def walk_epilogue(graph: TopologyGraph, start: Layer, *, allow_affine: bool = Tr
                 break
             layers.append(nxt.name)
             params = {k: v for k, v in act.items() if k not in ("op", "layers")}
-            epilogue.append(epilogue_entry(nxt, "activation", **params))
+            epilogue.append(epilogue_entry(nxt, "activation", params=params))
             cur = nxt.outputs[0]
             break
         if nxt.op_type in CHAIN_OPS and nxt.op_type != "Sigmoid" and allow_affine:
@@ -114,7 +115,7 @@ def fused_conv(
     template: str,
     data_input: Optional[str] = None,
     output: str,
-    fused: dict[str, Any],
+    fused: LayerFacts,
 ) -> Layer:
     """The layer that replaces ``conv`` and the ``absorbed`` layers around it."""
     names = [conv.name] + absorbed
@@ -158,13 +159,13 @@ class ConvChain(Template):
     def merge(self, graph: TopologyGraph, match: Match) -> tuple[Layer, dict[str, Any]]:
         conv = graph.layer(match.layers[0])
         epilogue = match.info["epilogue"]
-        fused = {"prologue": [], "epilogue": epilogue}
+        fused = LayerFacts(epilogue=tuple(epilogue))
         layer = fused_conv(
             graph, conv, match.layers[1:], template=self.name, output=match.info["output"], fused=fused
         )
         details = {
-            "folded": [e["op"] for e in epilogue if e.get("folded")],
-            "activation": next((e["op"] for e in epilogue if e["role"] == "activation"), None),
+            "folded": [e.op for e in epilogue if e.folded],
+            "activation": next((e.op for e in epilogue if e.role == "activation"), None),
         }
         if match.info.get("stopped"):
             details["stopped"] = match.info["stopped"]

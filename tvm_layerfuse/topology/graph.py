@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 
 from ..errors import GraphError
+from .facts import LayerFacts
 
 Dim = Optional[int]
 """A dimension: a positive int when known, ``None`` when unknown or symbolic."""
@@ -86,7 +87,7 @@ class Layer:
     domain: str = ""
     members: tuple[str, ...] = ()
     template: Optional[str] = None  # the template that formed this layer, if fused
-    fused: dict[str, Any] = field(default_factory=dict)  # what the merge did (JSON-able)
+    fused: LayerFacts = field(default_factory=LayerFacts)  # what the templates decided (frozen)
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -300,7 +301,6 @@ class TopologyGraph:
                 inputs=list(layer.inputs),
                 outputs=list(layer.outputs),
                 attrs=dict(layer.attrs),
-                fused=_deepcopy_json(layer.fused),
             )
             for layer in self._layers.values()
         ]
@@ -347,7 +347,7 @@ class TopologyGraph:
             if layer.is_fused or layer.members != (layer.name,):
                 entry["members"] = list(layer.members)
                 entry["template"] = layer.template
-                entry["fused"] = _deepcopy_json(layer.fused)
+                entry["fused"] = layer.fused.to_dict()
             layers.append(entry)
         edges = []
         for layer in self._layers.values():
@@ -389,10 +389,3 @@ def _jsonable(v: Any) -> Any:
         return {str(k): _jsonable(x) for k, x in v.items()}
     return v
 
-
-def _deepcopy_json(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {k: _deepcopy_json(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_deepcopy_json(x) for x in v]
-    return v
