@@ -9,7 +9,10 @@ as a plain ONNX model, which onnxruntime can run and compare with the original:
 * a horizontal group becomes one ``Conv`` over the channel-concatenated weights, the
   shared activation, and a ``Split`` back into each branch's output tensor;
 * an element-wise group adds (or multiplies) its extra input after the conv's folded
-  bias, then applies its activation;
+  bias, then applies its activation; a squeeze-and-excitation gate multiplies its extra
+  input by the activated conv output (broadcast over H×W);
+* activations are written as ONNX ops where the opset has them (HardSwish >= 14, Gelu >= 20),
+  else as their textbook decompositions (``x * HardSigmoid(x)``, ``x * 0.5 * (1 + Erf(x / √2))``);
 * an in-place ``Concat`` stays a ``Concat`` (ONNX has no aliasing; the offsets are the
   TVM lowering's business).
 
@@ -172,8 +175,8 @@ class _Writer:
             out = final if (final is not None and k == len(entries) - 1) else f"{layer.name}::e{k}"
             name = f"{layer.name}::{e.op}{k}"
             op = e.op
-            if e.role in ("residual", "multiply"):
-                kind = "Mul" if e.role == "multiply" else "Add"
+            if e.role in ("residual", "multiply", "gate", "post_add"):
+                kind = "Add" if e.role in ("residual", "post_add") else "Mul"
                 self.nodes.append(helper.make_node(kind, [y, e.extra_input], [out], name=name))
             elif op == "Relu":
                 self.nodes.append(helper.make_node("Relu", [y], [out], name=name))
@@ -185,6 +188,20 @@ class _Writer:
                 s = f"{layer.name}::sig{k}"
                 self.nodes.append(helper.make_node("Sigmoid", [y], [s], name=name + "_sigmoid"))
                 self.nodes.append(helper.make_node("Mul", [y, s], [out], name=name))
+            elif op == "Sigmoid":
+                self.nodes.append(helper.make_node("Sigmoid", [y], [out], name=name))
+            elif op == "HardSigmoid":
+                self.nodes.append(helper.make_node("HardSigmoid", [y], [out], name=name, alpha=e.params["alpha"], beta=e.params["beta"]))
+            elif op == "HardSwish" and self.opset >= 14:
+                self.nodes.append(helper.make_node("HardSwish", [y], [out], name=name))
+            elif op == "HardSwish":  # x * HardSigmoid(x) with alpha 1/6, beta 1/2
+                s = f"{layer.name}::hsig{k}"
+                self.nodes.append(helper.make_node("HardSigmoid", [y], [s], name=name + "_hsig", alpha=1 / 6, beta=0.5))
+                self.nodes.append(helper.make_node("Mul", [y, s], [out], name=name))
+            elif op == "PRelu":
+                self.nodes.append(helper.make_node("PRelu", [y, e.params["slope"]], [out], name=name))
+            elif op == "Gelu":
+                self._gelu(name, y, out, e.params.get("approximate", "none"))
             else:  # pragma: no cover - templates produce only the ops above
                 raise ValueError(f"unknown epilogue op {op}")
             y = out
@@ -192,6 +209,24 @@ class _Writer:
             self.nodes.append(helper.make_node("Identity", [y], [final], name=f"{layer.name}::out"))
             y = final
         return y
+
+    def _gelu(self, name: str, x: str, out: str, approximate: str) -> None:
+        if self.opset >= 20:
+            self.nodes.append(helper.make_node("Gelu", [x], [out], name=name, approximate=approximate))
+            return
+        if approximate != "none":  # pragma: no cover - Gelu with approximate exists only from opset 20
+            raise ValueError(f"Gelu approximate={approximate!r} needs opset 20")
+        consts = {"sqrt2": 2**0.5, "one": 1.0, "half": 0.5}
+        for tag, v in consts.items():
+            self.inits[f"{name}::{tag}"] = np.array(v, dtype=np.float32)
+        t = [f"{name}::t{i}" for i in range(4)]
+        self.nodes += [
+            helper.make_node("Div", [x, f"{name}::sqrt2"], [t[0]], name=name + "_div"),
+            helper.make_node("Erf", [t[0]], [t[1]], name=name + "_erf"),
+            helper.make_node("Add", [t[1], f"{name}::one"], [t[2]], name=name + "_add"),
+            helper.make_node("Mul", [x, t[2]], [t[3]], name=name + "_mul"),
+            helper.make_node("Mul", [t[3], f"{name}::half"], [out], name=name),
+        ]
 
     def _clip(self, name: str, x: str, out: str, lo: Optional[float], hi: Optional[float]) -> onnx.NodeProto:
         if self.opset < 11:

@@ -116,7 +116,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if not args.quiet:
         from ..runtime.artifact import read_manifest
 
-        fusion = read_manifest(out)["fusion"]
+        manifest = read_manifest(out)
+        fusion = manifest["fusion"]
         if fusion.get("plan"):
             c = fusion["plan"]
             print(
@@ -129,6 +130,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 f"kernel launches per inference: {kernels['kernels']}; concatenate copies left: "
                 f"{kernels['concat_kernels']} ({kernels['concat_bytes_copied']} bytes)"
             )
+        from ..planner import CONSTANT_FILL_NOTE
+
+        for note in manifest["model"].get("notes", []):
+            if note.startswith(CONSTANT_FILL_NOTE):
+                print(f"note: {note}")
     return 0
 
 

@@ -8,6 +8,7 @@
       1. FoldAffineIntoConv2D    vertical         BN / per-channel Mul/Add/Sub/Div -> conv weight, bias
       2. MergeParallelConv2D     horizontal       parallel convs -> one conv + split (relax/horizontal.py)
       3. FuseConv2DEpilogue      vertical + eltwise  conv + bias + [residual] + [act] -> one function
+      4. AbsorbElementwiseConsumers                what FuseOps would still fuse after a group joins it
       bind_params                                 W', b' become constants, computed once here
                                                   (LiftTransformParams + one compile, then BindParams)
 
@@ -39,6 +40,7 @@ from ..errors import UsageError
 from ..planner import FusionPlan
 from ..report import Report
 from ._ir import TargetLike, as_target, default_target, param_names, tvm_compile, weight_param
+from .absorb_elementwise import AbsorbElementwiseConsumers
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
 from .horizontal import MergeParallelConv2D, MergeReport, merge_groups_from_plan
@@ -48,8 +50,18 @@ log = logging.getLogger(__name__)
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, tvm.IRModule]
 
-_ACTIVATION_NAMES = {"Relu": "relu", "Clip": "clip", "LeakyRelu": "leakyrelu", "SiLU": "silu"}
-_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul"}
+_ACTIVATION_NAMES = {
+    "Relu": "relu",
+    "Clip": "clip",
+    "LeakyRelu": "leakyrelu",
+    "SiLU": "silu",
+    "Sigmoid": "sigmoid",
+    "HardSigmoid": "hardsigmoid",
+    "HardSwish": "hardswish",
+    "PRelu": "prelu",
+    "Gelu": "gelu",
+}
+_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul", "gate": "gate", "post_add": "post_add"}
 
 
 @dataclass
@@ -61,6 +73,7 @@ class FuseReport(Report):
     horizontal: Optional[MergeReport] = None  # MergeParallelConv2D (None: not run)
     groups: list[dict[str, Any]] = field(default_factory=list)  # FuseConv2DEpilogue: one per fused function
     group_refused: list[dict[str, Any]] = field(default_factory=list)
+    absorbed: list[dict[str, Any]] = field(default_factory=list)  # AbsorbElementwiseConsumers: {"function", "group", "ops"}
     plan_check: Optional[dict[str, Any]] = None  # the plan's counts next to the passes' (with a plan)
 
 
@@ -134,6 +147,12 @@ def fuse_with_report(
     mod = epilogue(mod)
     report.groups = list(epilogue.groups)
     report.group_refused = list(epilogue.refused)
+
+    # 4. what the plan left after a group that TVM's FuseOps would fuse into it (never more
+    #    kernels than the default pipeline)
+    absorb = AbsorbElementwiseConsumers()
+    mod = absorb(mod)
+    report.absorbed = list(absorb.absorbed)
     if plan is not None:
         report.plan_check = _compare_with_plan(plan, report)
 

@@ -1,7 +1,6 @@
 """Checks shared by the tests and the fuzzing scripts.
 
-* :func:`run_onnxruntime` - the reference run: onnxruntime on CPU with graph optimisations
-  off (as onnx-simplifier's model checking does), so the numbers are the model's own.
+* :func:`run_onnxruntime` - the reference run (home: :mod:`tvm_layerfuse.topology.reference`).
 * :func:`output_mismatches` / :func:`worst_error` - the numeric comparison every model test
   makes: each output ``max|ref - got| / max|ref| <= RTOL`` (1e-4, fp32), shapes equal,
   non-finite values at the same places (:func:`.differential.relative_error`).
@@ -14,21 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
-import onnx
+
+from ..topology.reference import run_onnxruntime
+
+__all__ = ["RTOL", "gpu_present", "output_mismatches", "plan_violations", "run_onnxruntime", "worst_error"]
 
 if TYPE_CHECKING:
     from ..planner import FusionPlan
-
-
-def run_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Every graph output of ``model`` on ``feeds`` (onnxruntime, CPU, optimisations off)."""
-    import onnxruntime as ort  # a test dependency, imported on use
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
 
 
 RTOL = 1e-4

@@ -118,6 +118,9 @@ class TopologyGraph:
         self.outputs = list(outputs)
         self.opset = opset
         self.meta = dict(meta or {})
+        # The ONNX model the graph was read from (input shapes fixed, shape arithmetic
+        # folded), set by the reader: what the importer must import so names agree.
+        self.source: Any = None
         self._layers: dict[str, Layer] = {}
         for layer in layers:
             if layer.name in self._layers:
@@ -304,7 +307,7 @@ class TopologyGraph:
             )
             for layer in self._layers.values()
         ]
-        return TopologyGraph(
+        out = TopologyGraph(
             name=self.name,
             layers=layers,
             tensors=tensors,
@@ -313,6 +316,8 @@ class TopologyGraph:
             opset=self.opset,
             meta=self.meta,
         )
+        out.source = self.source
+        return out
 
     # ------------------------------------------------------------------ summaries
     def op_counts(self) -> dict[str, int]:
