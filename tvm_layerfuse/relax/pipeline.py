@@ -40,7 +40,7 @@ from tvm import relax
 from ..errors import UsageError
 from ..planner import FusionPlan
 from ..report import Report
-from ._ir import TargetLike, as_target, default_target, param_names, weight_param
+from ._ir import TargetLike, as_target, default_target, param_names, tvm_compile, weight_param
 from .absorb_elementwise import AbsorbElementwiseConsumers
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
@@ -220,7 +220,7 @@ def lift_weights(mod: tvm.IRModule, values: Sequence[Any]) -> tuple[tvm.IRModule
     transform = lifted.get_global_var("main_transform_params")
     prepare = tvm.IRModule({"main": lifted[transform].with_attr("global_symbol", "main")})
     tgt = default_target()
-    ex = tvm.compile(prepare, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
+    ex = tvm_compile(prepare, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
     vm = relax.VirtualMachine(ex, tvm.cpu())
     outs = _flatten(vm["main"]([_as_tensor(v) for v in values]))
     inference = tvm.IRModule(
@@ -272,7 +272,7 @@ def build(mod: tvm.IRModule, *, target: TargetLike = "llvm") -> relax.VMExecutab
     """Compile with TVM's default Relax pipeline for ``target`` (the one with FuseOps/FuseTIR;
     ``tvm.compile``'s own default for CPU does not fuse at all)."""
     tgt = as_target(target)
-    return tvm.compile(mod, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
+    return tvm_compile(mod, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
 
 
 def run(ex: relax.VMExecutable, inputs: Sequence[np.ndarray], *, device=None) -> list[np.ndarray]:
