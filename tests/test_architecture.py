@@ -110,6 +110,7 @@ def test_runtime_imports_no_compiler():
     code = (
         "import json, sys\n"
         "import tvm_layerfuse.runtime, tvm_layerfuse.runtime.io, tvm_layerfuse.cli.run\n"
+        "import tvm_layerfuse.runtime.vta, tvm_layerfuse.vta.runtime, tvm_layerfuse.vta.rpc_server\n"
         "maps = open('/proc/self/maps').read()\n"
         "print(json.dumps({'modules': sorted(sys.modules), 'compiler_lib': 'libtvm_compiler' in maps}))\n"
     )
@@ -128,11 +129,14 @@ def test_runtime_imports_no_compiler():
 def test_bundle_files_are_closed_under_import():
     """What a bundle copies (the runtime package and the files around it) needs nothing else
     when imported, and the ``run`` command it holds needs nothing else when it runs."""
-    files = {p for p in (PACKAGE / bundle.RUNTIME_PACKAGE).rglob("*.py")} | {PACKAGE / n for n in bundle.LOADER}
+    files = {p for p in (PACKAGE / bundle.RUNTIME_PACKAGE).rglob("*.py")} | {
+        PACKAGE / n for n in bundle.LOADER + bundle.VTA_RUNTIME
+    }
     copied = {_module_name(p) for p in files}
     known = set(_modules())
     needed = {m for p in files for m in _imports(_module_name(p), p, known, module_level=True)}
     runtime_side = files - {PACKAGE / "cli" / "__init__.py"}  # its lazy main() is the full command line
     needed |= {m for p in runtime_side for m in _imports(_module_name(p), p, known)}
     assert "tvm_layerfuse.runtime.loader" in copied and "tvm_layerfuse.cli.run" in copied
+    assert "tvm_layerfuse.vta.runtime" in copied and "tvm_layerfuse.runtime.vta" in copied
     assert needed - copied == set()

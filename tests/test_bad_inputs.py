@@ -6,7 +6,7 @@ names the input, no traceback, and nothing partially written (no artifact direct
 hidden temporary directory beside it). Inputs that are legal but suspicious (NaN/Inf
 weights, an op TVM cannot import) must not stop ``inspect``: it reports them and goes on.
 
-Three families:
+Four families:
 
 * model files: empty, random bytes, truncated, opset too new/old, cycle, duplicate tensor
   names, missing initializer, dynamic/zero/huge shapes, an op TVM's importer lacks,
@@ -16,7 +16,10 @@ Three families:
 * artifacts, which are untrusted input: checksum mismatch, a manifest naming
   ``../../etc/passwd``, an absolute path, a symlink out of the artifact, a weights file
   outside it, a pickled object in ``params.npz``, malformed manifest fields, weights that
-  do not fit the library, a library that is not one; and a pickled ``--input``.
+  do not fit the library, a library that is not one; and a pickled ``--input``;
+* the vta target: bad ``--vta-config`` files, calibration files, options that do not apply,
+  a batch-2 model, a vta artifact run on the wrong device or with a changed program file (and
+  the messages of the ``tvm_layerfuse.vta`` Python API, in the same table).
 
 The mount cases need root (a private mount namespace with ``unshare -m``; nothing leaks
 to the host) and are skipped otherwise. The subprocesses of a family run concurrently,
@@ -95,13 +98,20 @@ def record(what: str, command: str, proc_or_text, *, note: str = "") -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _write_table():
+def _write_table(tmp_path_factory):
     yield
     target = os.environ.get("LAYERFUSE_BAD_INPUTS_TABLE")
     if target:
+        # a test's temporary directory is left out of the paths: 'TMP/test_x0/out' -> 'out'
+        tmp = re.compile(re.escape(str(tmp_path_factory.getbasetemp())) + r"/[^/]+/")
         rows = ["| input | command | message |", "|---|---|---|"]
-        rows += [f"| {w} | `{c}` | `{m.replace('|', '/')}` |" for w, c, m in TABLE]
-        Path(target).write_text("\n".join(rows) + "\n")
+        rows += [f"| {w} | `{c}` | `{tmp.sub('', m).replace('|', '/')}` |" for w, c, m in TABLE]
+        path = Path(target)
+        # only the first table is rewritten: the text around it (docs/bad-inputs.md's
+        # introduction, the sections other tests check) stays as it is
+        head, _, rest = (path.read_text() if path.is_file() else "").partition(rows[0])
+        tail = rest.partition("\n\n")[2]
+        path.write_text(head + "\n".join(rows) + "\n" + ("\n" + tail if tail else ""))
 
 
 # ---------------------------------------------------------------------- model files
@@ -757,3 +767,121 @@ def test_tvm_log_lines_reach_the_terminal_only_with_verbose(model_runs):
     assert "BlockBuilder destroyed with remaining blocks!" in loud.stderr, loud.stderr
     assert "Error converting operator Reshape" in loud.stderr, loud.stderr
     assert loud.stderr.strip().splitlines()[-1].startswith("error: TVM's ONNX importer cannot convert node 'reshape'")
+
+
+# ---------------------------------------------------------------------- the vta target
+VTA_CONFIGS = {
+    "VTA config value not an integer": json.dumps({"LOG_BLOCK": "4"}),
+    "VTA config value out of range": json.dumps({"LOG_ACC_WIDTH": 4}),
+    "VTA config unknown key": json.dumps({"LOG_BLOK": 4}),
+    "VTA config non-square block": json.dumps({"LOG_BLOCK_IN": 4, "LOG_BLOCK_OUT": 3}),
+    "VTA config buffers too large for the encoding": json.dumps({"LOG_ACC_BUFF_SIZE": 24, "LOG_INP_BUFF_SIZE": 24}),
+    "VTA config not JSON": "{LOG_BLOCK: 4",
+}
+
+
+def _short(text: str, root: Path) -> str:
+    return text.replace(f"{root}/", "")
+
+
+@pytest.fixture(scope="module")
+def vta_model(tmp_path_factory) -> Path:
+    from tvm_layerfuse.testing import zoo
+
+    root = tmp_path_factory.mktemp("vta")
+    onnx.save(zoo.googlenet(blocks=1, width=0.25, image=16, seed=1), root / "g.onnx")
+    onnx.save(zoo.googlenet(blocks=1, width=0.25, image=16, seed=1, batch=2), root / "g_batch2.onnx")
+    return root / "g.onnx"
+
+
+def test_bad_vta_compile_inputs(vta_model):
+    root = vta_model.parent
+    for k, text in enumerate(VTA_CONFIGS.values()):
+        (root / f"cfg{k}.json").write_text(text)
+    x = np.zeros((1, 3, 16, 16), np.float32)
+    np.savez(root / "cal_shape.npz", input=np.zeros((2, 1, 3, 8, 8), np.float32))
+    np.savez(root / "cal_names.npz", a=x, b=x)
+    np.save(root / "cal.npy", x)
+    np.savez(root / "cal.npz", input=x)
+    model, out = str(vta_model), str(root / "out")
+    jobs = {what: ("compile g.onnx --target vta --vta-config cfg.json", ("--vta-config", str(root / f"cfg{k}.json")))
+            for k, what in enumerate(VTA_CONFIGS)}  # fmt: skip
+    jobs.update({
+        "VTA config file missing": ("compile g.onnx --target vta --vta-config missing.json", ("--vta-config", str(root / "missing.json"))),
+        "calibration file missing": ("compile g.onnx --target vta --calibration missing.npz", ("--calibration", str(root / "missing.npz"))),
+        "calibration samples of another shape": ("compile g.onnx --target vta --calibration cal_shape.npz",
+                                                 ("--calibration", str(root / "cal_shape.npz"))),
+        "calibration arrays not named after the inputs": ("compile g.onnx --target vta --calibration cal_names.npz",
+                                                          ("--calibration", str(root / "cal_names.npz"))),
+        "calibration file a single .npy array": ("compile g.onnx --target vta --calibration cal.npy",
+                                                 ("--calibration", str(root / "cal.npy"))),
+        "--calibration-count 0": ("compile g.onnx --target vta --calibration-count 0", ("--calibration-count", "0")),
+        "--no-fuse with the vta target": ("compile g.onnx --target vta --no-fuse", ("--no-fuse",)),
+        "model of batch 2 for VTA": ("compile g_batch2.onnx --target vta", ()),
+    })  # fmt: skip
+    runs = run_all({
+        what: (lambda what=what, extra=extra: cli(
+            "compile", str(root / "g_batch2.onnx") if "batch 2" in what else model, "--target", "vta", "-o", out, *extra))
+        for what, (_, extra) in jobs.items()
+    })  # fmt: skip
+    runs["--vta-config with --target cpu"] = cli("compile", model, "--target", "cpu", "--vta-config", str(root / "cfg0.json"), "-o", out)
+    jobs["--vta-config with --target cpu"] = ("compile g.onnx --target cpu --vta-config cfg.json", ())
+    runs["inspect --compile for another target"] = cli("inspect", model, "--compile", "--target", "cuda")
+    jobs["inspect --compile for another target"] = ("inspect g.onnx --compile --target cuda", ())
+    for what, proc in runs.items():
+        record(what, jobs[what][0], _short(proc.stderr.strip(), root))
+        line = one_error_line(proc)
+        assert "expected" in line and " - " in line or "drop" in line, line
+        nothing_written(root / "out")
+
+
+@pytest.fixture(scope="module")
+def vta_artifact(vta_model) -> Path:
+    out = vta_model.parent / "g.vta"
+    proc = cli("compile", str(vta_model), "--target", "vta", "-o", str(out), "--calibration-count", "1", "-q")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_bad_vta_run_inputs(vta_artifact):
+    root = vta_artifact.parent
+    changed = root / "changed.vta"
+    shutil.copytree(vta_artifact, changed)
+    (changed / "programs.npz").write_bytes(b"x")
+    np.save(root / "small.npy", np.zeros((1, 3, 8, 8), np.float32))
+    cases = {
+        "vta artifact run with --device cpu": ("run g.vta --device cpu", (str(vta_artifact), "--device", "cpu"), "compiled for vta"),
+        "vta artifact run on a board (no VTA here)": ("run g.vta --device board", (str(vta_artifact), "--device", "board"),
+                                                      "no VTA device found"),
+        "vta artifact with a changed program file": ("run changed.vta", (str(changed),), "'programs.npz'"),
+        "--input of another shape (vta artifact)": ("run g.vta --input small.npy", (str(vta_artifact), "--input", str(root / "small.npy")),
+                                                    "has shape [1, 3, 8, 8]"),
+    }  # fmt: skip
+    runs = run_all({what: (lambda args=args: cli("run", *args)) for what, (_, args, _) in cases.items()})
+    for what, (command, _, fragment) in cases.items():
+        record(what, command, _short(runs[what].stderr.strip(), root))
+        one_error_line(runs[what], fragment)
+
+
+def test_bad_vta_library_inputs(vta_model, vta_artifact, tmp_path):
+    """What the Python API of the vta package refuses (each one line, in the same table)."""
+    from tvm_layerfuse.errors import LayerfuseError
+    from tvm_layerfuse.vta import pipeline
+    from tvm_layerfuse.vta.config import DEFAULT
+    from tvm_layerfuse.vta.runtime import load_vta, open_device
+
+    cases = {
+        "unknown VTA device": ("open_device('fpga', cfg)", lambda: open_device("fpga", DEFAULT)),
+        "not a VTA artifact": ("load_vta(DIR)", lambda: load_vta(tmp_path)),
+        "calibration input of another shape": ("build(model, calibration=[{'input': 8x8}])",
+                                               lambda: pipeline.build(vta_model, calibration=[{"input": np.zeros((1, 3, 8, 8))}])),
+        "calibration input missing a model input": ("build(model, calibration=[{'x': 0}])",
+                                                    lambda: pipeline.build(vta_model, calibration=[{"x": 0}])),
+        "input missing (vta module)": ("load_vta(g.vta).run({})", lambda: load_vta(vta_artifact).run({})),
+    }  # fmt: skip
+    for what, (command, fn) in cases.items():
+        with pytest.raises(LayerfuseError) as exc:
+            fn()
+        msg = _short(str(exc.value), tmp_path.parent)
+        assert "\n" not in msg and "expected" in msg and " - " in msg, msg
+        record(what, command, msg)

@@ -32,6 +32,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--key", default="", help="the key to register under (with --tracker)")
         if role == "server":
             p.add_argument("--load-library", help="extra library to load, e.g. .../tvm/lib/libtvm_runtime_cuda.so")
+            p.add_argument(
+                "--vta", action="store_true", help="serve vta artifacts: the VTA runtime (simulator) registered in the server"
+            )
         else:
             p.add_argument(
                 "--cache", help=f"the board's directory (default ${ARM64_ENV} or ~/.cache/tvm_layerfuse/arm64-board)"
@@ -48,7 +51,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bp = start_arm64_board(host=args.host, port=args.port, tracker=args.tracker, key=args.key, cache=args.cache)
         else:
             bp = start_server(
-                host=args.host, port=args.port, tracker=args.tracker, key=args.key, load_library=args.load_library
+                host=args.host, port=args.port, tracker=args.tracker, key=args.key, load_library=args.load_library,
+                module="tvm_layerfuse.vta.rpc_server" if args.vta else "tvm.exec.rpc_server",
             )
     except LayerfuseError as e:
         print(f"error: {e}", file=sys.stderr)

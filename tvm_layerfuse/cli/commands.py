@@ -77,8 +77,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         say(args, f"wrote {write_svg(result, Path(args.svg))}")
     compiled = None
-    if args.compile:
+    if args.compile and _is_vta(args):
+        from ..vta.config import DEFAULT, load_config
+        from ..vta.pipeline import build, format_report, read_calibration, report
+
+        opts = _vta_options(args)
+        calibration = opts["calibration"]
+        if calibration is not None:
+            calibration = read_calibration(calibration, {n: result.first.tensor(n).shape for n in result.first.inputs},
+                                           count=opts["n_calibration"])
+        cfg = load_config(opts["config"]) if opts["config"] else DEFAULT
+        compiled = report(build(result, cfg=cfg, calibration=calibration, n_calibration=opts["n_calibration"], baseline=True))
+        if not args.json:
+            sys.stdout.write(plan_text(result, graphs=not args.plan_only) + "\n\n" + format_report(compiled) + "\n")
+            return 0
+    elif args.compile:
         from ..compile.report import compare
+
+        if args.target != "cpu":
+            raise UsageError(f"inspect --compile has no comparison for --target {args.target}; expected cpu or vta - use one of them")
 
         compiled = compare(model, plan=result, input_shapes=parse_input_shapes(args.input_shape))
     if args.json:
@@ -96,10 +113,47 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_vta(args: argparse.Namespace) -> bool:
+    """Whether ``--target`` names the VTA preset (or a preset file for a VTA device); VTA
+    options with another target are refused."""
+    from ..compile.presets import resolve
+
+    vta = args.target == "vta" or (args.target.endswith(".json") and resolve(args.target).device == "vta")
+    if not vta:
+        for flag, value in (("--vta-config", args.vta_config), ("--calibration", args.calibration)):
+            if value is not None:
+                raise UsageError(f"{flag} applies to --target vta; found --target {args.target} - drop {flag} or use --target vta")
+    return vta
+
+
+def _vta_options(args: argparse.Namespace) -> dict:
+    return {
+        "config": args.vta_config,
+        "calibration": args.calibration,
+        "n_calibration": args.calibration_count,
+        "input_shapes": parse_input_shapes(args.input_shape),
+    }
+
+
+def _add_vta_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vta target")
+    g.add_argument("--vta-config", metavar="FILE", help="VTA hardware configuration (vta_config.json keys; default targets/vta.json)")
+    g.add_argument(
+        "--calibration",
+        metavar="X.npz",
+        help="int8 calibration inputs: one array per model input, [N, *input shape] (default: seeded random inputs)",
+    )
+    g.add_argument(
+        "--calibration-count", type=int, default=8, metavar="N", help="calibration inputs used (or drawn at random), default 8"
+    )
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from ..compile.build import compile_model
 
     model = _model_arg(args.model)
+    if _is_vta(args):
+        return _compile_vta(args, model)
     out = Path(args.output) if args.output else Path(f"{model.stem}.{args.target}{'.' + args.arch if args.arch else ''}")
     compile_model(
         model,
@@ -135,6 +189,26 @@ def cmd_compile(args: argparse.Namespace) -> int:
         for note in manifest["model"].get("notes", []):
             if note.startswith(CONSTANT_FILL_NOTE):
                 print(f"note: {note}")
+    return 0
+
+
+def _compile_vta(args: argparse.Namespace, model: Path) -> int:
+    from ..vta.pipeline import compile_vta, format_report
+
+    if args.no_fuse or args.arch:
+        raise UsageError(
+            f"{'--no-fuse' if args.no_fuse else '--arch'} does not apply to --target vta; drop it "
+            "(the vta report compares fused and unfused programs itself)"
+        )
+    if args.calibration_count < 1:
+        raise UsageError(
+            f"--calibration-count {args.calibration_count} is not positive; expected N >= 1 - give how many inputs to calibrate on, e.g. 8"
+        )
+    out = Path(args.output) if args.output else Path(f"{model.stem}.vta")
+    rep = compile_vta(model, out, force=args.force, on_commit=args.interrupts.done, **_vta_options(args))
+    say(args, f"wrote artifact {out}")
+    if not args.quiet:
+        print(format_report(rep))
     return 0
 
 
@@ -177,17 +251,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="also lower the model for CPU with TVM's default pipeline and with layerfuse, and compare kernels and bytes",
+        help="also lower the model for CPU with TVM's default pipeline and with layerfuse, and compare kernels and bytes "
+        "(with --target vta: layer placement, VTA instructions and DRAM bytes, fused vs unfused)",
     )
+    p.add_argument("--target", default="cpu", help="with --compile: cpu (default) or vta")
+    _add_vta_args(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("compile", parents=[verbosity_parent()], help="compile a model into a device-executable artifact")
     _add_model_args(p)
-    p.add_argument("--target", default="cpu", help="target preset (cpu, aarch64, cuda) or a preset JSON file")
+    p.add_argument("--target", default="cpu", help="target preset (cpu, aarch64, cuda, vta) or a preset JSON file")
     p.add_argument("--arch", help="GPU architecture for --target cuda: sm_80, sm_87 (Jetson Orin), sm_90, ...")
     p.add_argument("-o", "--output", metavar="DIR", help="artifact directory (default MODEL.TARGET[.ARCH])")
     p.add_argument("--no-fuse", action="store_true", help="build with TVM's default pipeline only, for comparison")
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    _add_vta_args(p)
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("run", parents=[verbosity_parent()], help="run an artifact on inputs with the TVM runtime")

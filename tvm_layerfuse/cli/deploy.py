@@ -96,7 +96,9 @@ def add_deploy_parser(subparsers, *, parents: Optional[Sequence[Any]] = None) ->
     p.add_argument(
         "--key", help="the boards' key (rpc_server --key): with --tracker, runs spread over the boards under it"
     )
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N on the board")
+    p.add_argument(
+        "--device", help="cpu (default), cuda or cuda:N on the board; a vta artifact runs on the board's VTA runtime"
+    )
     p.add_argument(
         "--input",
         metavar="FILE",

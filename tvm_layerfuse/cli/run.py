@@ -18,7 +18,9 @@ from ..runtime.io import IMAGENET_MEAN, IMAGENET_STD, check_output_path, read_in
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", action="append", default=[], metavar="FILE|NAME=FILE", help=".npy, .npz or image; repeatable")
     p.add_argument("--output", metavar="Y.npz", help="store the outputs (atomically) instead of only printing them")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument(
+        "--device", help="cpu, cuda or cuda:N (default cpu); for a vta artifact sim (default: the simulator) or board"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random input used when --input is not given")
     p.add_argument("--top", type=int, default=5, help="classes shown per sample for classifier outputs")
     p.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN, metavar=("R", "G", "B"))
@@ -44,6 +46,9 @@ def run_artifact(args: argparse.Namespace, artifact_dir: Path, *, say=print) -> 
         write_outputs(args.output, outputs)
         say(f"wrote {args.output}")
     print(summarize(outputs, top=args.top))
+    counters = getattr(rt, "counters", None)  # a VTA artifact: the accelerator's profiling counters
+    if counters:
+        print("VTA counters: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
     if getattr(args, "compare", None):
         print(compare_text(outputs, load(Path(args.compare), device=args.device).run(inputs), other=args.compare))
     for note in rt.manifest.get("model", {}).get("notes", []):

@@ -280,8 +280,12 @@ def start_server(
     machine: Optional[str] = None,
     ready_timeout: float = 60.0,
     log_path: Optional[Path] = None,
+    module: str = "tvm.exec.rpc_server",
 ) -> BoardProcess:
     """Start ``python -m tvm.exec.rpc_server --host HOST --port PORT`` (runtime-only TVM).
+
+    ``module``: the server module; ``tvm_layerfuse.vta.rpc_server`` is TVM's server with the
+    VTA runtime registered (the board side of a ``vta`` artifact).
 
     ``port=0`` picks a free port (see ``.port``). ``tracker``/``key`` register it with a
     tracker (ready = registered). ``python`` is the interpreter (default this one);
@@ -305,8 +309,8 @@ def start_server(
         if load_library:
             args += ["--load-library", load_library]
         if executable:
-            return [python, "-c", _LAUNCH, executable, "tvm.exec.rpc_server", *args]
-        return [python, "-m", "tvm.exec.rpc_server", *args]
+            return [python, "-c", _LAUNCH, executable, module, *args]
+        return [python, "-m", module, *args]
 
     def ready(bp: BoardProcess) -> bool:
         if tracker_addr:

@@ -7,7 +7,9 @@
       rpc_server.sh     ./rpc_server.sh [--host 127.0.0.1] [--port 9091] [--tracker H:P --key K]
       artifact/         the compiled artifact (checked before copying)
       site/             tvm (runtime library only), tvm_ffi, ml_dtypes, typing_extensions,
-                        cloudpickle, psutil, and tvm_layerfuse's runtime package
+                        cloudpickle, psutil, and tvm_layerfuse's runtime package (with the
+                        VTA runtime: a vta artifact runs on the simulator, rpc_server.sh
+                        then serves it with the VTA runtime registered)
       README.txt
 
 The target needs Python (the version given with ``--python``) and numpy. The packages for
@@ -60,6 +62,11 @@ PACKAGES = ("tvm", "tvm_ffi", "ml_dtypes", "typing_extensions", "cloudpickle", "
 # that none of them imports the compiler).
 RUNTIME_PACKAGE = "runtime"
 LOADER = ("__init__.py", "errors.py", "cli/__init__.py", "cli/run.py")
+# The runtime side of the VTA target (numpy only): what runtime.load needs for a vta
+# artifact, and the board's server (python -m tvm_layerfuse.vta.rpc_server).
+VTA_RUNTIME = tuple(
+    f"vta/{m}.py" for m in ("__init__", "runtime", "rpc_server", "sim", "isa", "encoding", "config", "layout", "host", "numerics")
+)
 WHEELS = {
     "tvm": "apache-tvm=={tvm}",
     "tvm_ffi": "apache-tvm-ffi=={ffi}",
@@ -89,7 +96,7 @@ RPC_SH = '''#!/bin/sh
 HERE=$(cd "$(dirname "$0")" && pwd)
 export TVM_USE_RUNTIME_LIB=1
 export PYTHONPATH="$HERE/site${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python3}" -m tvm.exec.rpc_server --host 127.0.0.1 "$@"
+exec "${PYTHON:-python3}" -m {server} --host 127.0.0.1 "$@"
 '''
 
 README = """tvm_layerfuse runtime bundle
@@ -138,12 +145,14 @@ def make_bundle(
         pkg.mkdir()
         here = Path(__file__).resolve().parents[1]
         shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-        for name in LOADER:
+        for name in LOADER + VTA_RUNTIME:
             (pkg / name).parent.mkdir(exist_ok=True)
             shutil.copy2(here / name, pkg / name)
         shutil.copytree(artifact_dir, tmp / "artifact", ignore=shutil.ignore_patterns(".*"))
         _write(tmp / "run.py", RUN_PY, executable=True)
-        _write(tmp / "rpc_server.sh", RPC_SH, executable=True)
+        vta = manifest["target"].get("device") == "vta"  # its server runs the VTA runtime (simulator)
+        server = "tvm_layerfuse.vta.rpc_server" if vta else "tvm.exec.rpc_server"
+        _write(tmp / "rpc_server.sh", RPC_SH.replace("{server}", server), executable=True)
         _write(
             tmp / "README.txt",
             README.format(

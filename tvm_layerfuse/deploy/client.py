@@ -24,6 +24,11 @@ What happens, in order (every step that waits on the network has a deadline):
    ``set_input``/``invoke_stateful``/``get_outputs`` (safe over RPC for tuple outputs),
    then ``time_evaluator("invoke_stateful")`` for the latency.
 
+A ``vta`` artifact (target device ``vta``) has no library: step 4 uploads its VTA files and
+calls the VTA runtime that the board's server registers (``python -m
+tvm_layerfuse.vta.rpc_server``; see :mod:`tvm_layerfuse.vta.rpc_server`); the result also holds
+VTA's counters. A server without that runtime is refused before anything runs.
+
 TVM's RPC client is C++ and blocks without a deadline (connect, every call), so steps
 3-4 run in a worker subprocess (``python -c ... _worker_main``, runtime-only TVM) that
 reports each step on a pipe; this process enforces the deadline of each step and kills
@@ -68,7 +73,7 @@ def deploy(
     rpc: Optional[Address] = None,
     tracker: Optional[Address] = None,
     key: Optional[str] = None,
-    device: str = "cpu",
+    device: Optional[str] = None,
     inputs: Optional[Inputs] = None,
     repeat: int = 1,
     timeout: float = DEFAULT_TIMEOUT,
@@ -114,13 +119,19 @@ def deploy(
     else:
         tracker_addr = None
         board_addr = parse_address(rpc if rpc is not None else DEFAULT_RPC, what="--rpc")
-    kind, index = parse_device(device)
-
     manifest = artifact.read_manifest(path)
-    check_device(manifest, device)
-    device = kind if kind == "cpu" else f"cuda:{index}"
-    artifact.verify(path, manifest)
-    check_library(path, manifest)
+    vta = manifest["target"].get("device") == "vta"
+    if vta:  # VTA programs + numpy host steps: the board's server runs them (vta.rpc_server)
+        if device not in (None, "vta"):
+            check_device(manifest, device)  # refused: names the artifact's device
+        device = "vta"
+        artifact.verify(path, manifest)
+    else:
+        kind, index = parse_device(device or "cpu")
+        check_device(manifest, device or "cpu")
+        device = kind if kind == "cpu" else f"cuda:{index}"
+        artifact.verify(path, manifest)
+        check_library(path, manifest)
     if inputs is None:
         inputs = random_inputs(manifest["inputs"], seed=seed)
         log.info("no inputs given: seeded random inputs (seed %d)", seed)
@@ -161,6 +172,7 @@ def deploy(
             "repeat": per_session,
             "timeout": float(timeout),
             "session_timeout": float(session_timeout),
+            "vta_files": _vta_files(path, manifest) if vta else None,
         }
         records = run_worker(job, timeout=float(timeout), progress=progress)
         return _assemble(path, manifest, device, records, started)
@@ -168,9 +180,17 @@ def deploy(
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
+def _vta_files(path: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """The files a VTA board loads, with their checksums (the manifest's ``files``)."""
+    from ..vta.runtime import FILES, MANIFEST
+
+    return {name: manifest["files"][name] for name in (MANIFEST, *FILES)}
+
+
 def _assemble(path: Path, manifest, device: str, records: dict[str, Any], started: float) -> DeployResult:
     runs: list[RunRecord] = []
     first: Optional[dict[str, np.ndarray]] = None
+    counters = next((run["counters"] for run in records["runs"] if run.get("counters")), None)
     diff = 0.0
     names = [o["name"] for o in manifest["outputs"]]
     for run in records["runs"]:
@@ -206,4 +226,5 @@ def _assemble(path: Path, manifest, device: str, records: dict[str, Any], starte
         max_run_difference=diff,
         wall_s=time.perf_counter() - started,
         manifest=manifest,
+        counters=counters,
     )

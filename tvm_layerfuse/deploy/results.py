@@ -49,6 +49,7 @@ class DeployResult:
     max_run_difference: float = 0.0  # max |output - first session's output| over all sessions
     wall_s: float = 0.0
     manifest: dict[str, Any] = field(default_factory=dict, repr=False)
+    counters: Optional[dict[str, int]] = None  # a VTA artifact: the accelerator's profiling counters of one run
 
     @property
     def board(self) -> BoardInfo:
@@ -70,6 +71,7 @@ class DeployResult:
             "max_run_difference": self.max_run_difference,
             "wall_s": round(self.wall_s, 3),
             "outputs": {n: {"shape": list(v.shape), "dtype": str(v.dtype)} for n, v in self.outputs.items()},
+            **({"counters": self.counters} if self.counters else {}),
         }
 
     def summary(self, *, top: int = 5) -> str:
@@ -95,6 +97,8 @@ class DeployResult:
         )
         if len(self.runs) > 1 and len({r.board for r in self.runs}) > 1:
             lines.append(f"outputs agree across boards within {self.max_run_difference:.3g} (max abs difference)")
+        if self.counters:
+            lines.append("VTA counters: " + ", ".join(f"{k} {v}" for k, v in self.counters.items()))
         for n, v in self.outputs.items():
             lines.append(f"output {n!r} {list(v.shape)} {v.dtype}: {_describe_output(v, top=top)}")
         return "\n".join(lines)

@@ -64,6 +64,9 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
     from tvm.runtime import vm as vm_runtime
 
     art = Path(job["artifact"])
+    if job.get("vta_files"):
+        _run_vta(job, emit, art)
+        return
     lib_bytes = (art / job["library"]).read_bytes()
     if hashlib.sha256(lib_bytes).hexdigest() != job["library_sha256"]:
         raise StepFailure(
@@ -194,6 +197,97 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
         emit("run", board=board, latencies_ms=latencies, outputs=str(out_path))
         # -------- close the session (frees the board for the tracker's next request)
         del timer, result, flat, args, vm, rlib, dev, sess
+        gc.collect()
+    if tracker is not None:
+        tracker.close()
+
+
+VTA_SERVER = "python -m tvm_layerfuse.vta.rpc_server"
+
+
+def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
+    """A VTA artifact: its files go to the board's VTA runtime (:mod:`tvm_layerfuse.vta.rpc_server`),
+    which runs the programs on its device (simulator or VTA) and the host steps in numpy."""
+    import gc
+    import hashlib
+    import io
+
+    from tvm import rpc as tvm_rpc
+
+    timeout = job["timeout"]
+    files: dict[str, bytes] = {}
+    for name, digest in job["vta_files"].items():
+        data = (art / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise StepFailure("artifact", f"{name!r} in artifact {str(art)!r} changed after it was verified; copy the artifact again")
+        files[name] = data
+    with np.load(job["inputs"], allow_pickle=False) as data:
+        buf = io.BytesIO()
+        np.savez(buf, **{k: data[k] for k in data.files})
+    inputs = bytearray(buf.getvalue())
+    tracker = TrackerClient(tuple(job["tracker"]), key=job["key"], timeout=timeout, emit=emit) if job["tracker"] else None
+    total_mb = sum(len(b) for b in files.values()) / 1e6
+    known: set[str] = set()
+    for number in range(job["sessions"]):
+        if tracker is not None:
+            host, port, matchkey = tracker.request()
+        else:
+            (host, port), matchkey = job["rpc"], job["key"] or ""
+        board = f"{host}:{port}"
+
+        def step(what: str, hint: Optional[str] = None) -> str:
+            emit("step", what=what, where=f"board {board}", limit=timeout, **({"hint": hint} if hint else {}))
+            return what
+
+        step("connecting", hint="the board is down or unreachable, or its RPC server does not answer - check the board")
+        try:
+            sess = tvm_rpc.connect(host, port, key=matchkey, session_timeout=job["session_timeout"])
+        except Exception as e:  # noqa: BLE001
+            raise StepFailure("unreachable", _connect_failure(host, port, e, tracker=tracker)) from None
+        if board not in known:
+            step("asking the board what it is")
+            emit("board", address=board, machine=_remote_machine(sess), hostname=_remote_hostname(sess), key=job["key"])
+            known.add(board)
+        try:
+            load = sess.get_function("tvm_layerfuse.vta.load")
+        except Exception:  # noqa: BLE001 - a plain TVM server: no VTA runtime registered
+            raise StepFailure(
+                "mismatch",
+                f"board {board} has no VTA runtime (its RPC server lacks tvm_layerfuse.vta.load); nothing was run - "
+                f"start the board's server with {VTA_SERVER} (a bundle's rpc_server.sh does for a vta artifact)",
+            ) from None
+        try:
+            what = step(f"uploading the VTA programs, DRAM image and host steps ({total_mb:.1f} MB)")
+            for name, data in files.items():
+                sess.upload(bytearray(data), name)
+            what = step("loading the VTA artifact")
+            load(next(iter(job["vta_files"])))
+            what = step("running the model")
+            t0 = time.perf_counter()
+            out = bytes(sess.get_function("tvm_layerfuse.vta.run")(inputs))
+            once = time.perf_counter() - t0
+            counters = json.loads(sess.get_function("tvm_layerfuse.vta.counters")())
+            with np.load(io.BytesIO(out), allow_pickle=False) as z:
+                outs = [z[f"o{k}"] for k in range(len(z.files))]
+            if len(outs) != len(job["outputs"]):
+                raise StepFailure("artifact", f"board {board} returned {len(outs)} outputs; the manifest lists {len(job['outputs'])}")
+            latencies: list[float] = []
+            timer = sess.get_function("tvm_layerfuse.vta.time")
+            while len(latencies) < job["repeat"]:
+                chunk = int(max(1, min(job["repeat"] - len(latencies), (timeout / 2) // max(once, 1e-6))))
+                what = step(f"timing runs {len(latencies) + 1}-{len(latencies) + chunk} of {job['repeat']}")
+                latencies += [float(t) for t in json.loads(timer(chunk))]
+        except StepFailure:
+            raise
+        except Exception as e:  # noqa: BLE001
+            detail = first_line(e, last=True)
+            if "VTAError: " in detail:  # the board's VTA runtime refused (no device, damaged files ...)
+                raise StepFailure("board", f"board {board} failed while {what}: {detail.split('VTAError: ', 1)[1]}") from None
+            raise StepFailure("board", _session_failure(board, what, e, job)) from None
+        out_path = Path(job["job_dir"]) / f"run{number}.npz"
+        np.savez(out_path, **{f"o{k}": v for k, v in enumerate(outs)})
+        emit("run", board=board, latencies_ms=latencies, outputs=str(out_path), counters=counters)
+        del load, timer, sess
         gc.collect()
     if tracker is not None:
         tracker.close()

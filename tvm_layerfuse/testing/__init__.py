@@ -29,6 +29,7 @@ from .zoo import (
     light_models,
     light_reference,
     mobilenet_v2,
+    resnet18,
     resnet50,
     squeezenet1_1,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "random_cnn",
     "random_cnn_case",
     "random_inputs",
+    "resnet18",
     "resnet50",
     "run_onnxruntime",
     "squeezenet1_1",

@@ -62,6 +62,7 @@ __all__ = [
     "mobilenet_v2",
     "model_inputs",
     "random_inputs",
+    "resnet18",
     "resnet50",
     "squeezenet1_1",
 ]
@@ -326,6 +327,55 @@ def resnet50(
                     x = b.relu(y)
     out = b.classifier(x, num_classes)
     return b.build({"output": out}, doc=f"resnet50 layers={tuple(layers)} width={width}")
+
+
+def resnet18(
+    *,
+    batch: int = 1,
+    image: int = 32,
+    width: float = 0.125,
+    layers: Sequence[int] = (2, 2, 2, 2),
+    seed: int = 0,
+    bn: str = "separate",
+    opset: int = 13,
+    quirks: bool = True,
+    num_classes: int = 10,
+) -> onnx.ModelProto:
+    """torchvision ``resnet18`` (``layers=(2, 2, 2, 2)``; ``resnet34`` is ``(3, 4, 6, 3)``).
+
+    Stem as :func:`resnet50`. BasicBlock: conv1 3x3 (stride) -> bn1 -> relu -> conv2 3x3 ->
+    bn2; a block that changes stride or width has a projection shortcut (downsample: conv
+    1x1 with the block's stride -> bn), exported after conv2; then ``Add(out, identity)`` -> relu.
+    """
+    if len(layers) != 4 or any(int(n) < 1 for n in layers):
+        raise ValueError(f"layers={tuple(layers)}; expected four positive block counts, e.g. (2, 2, 2, 2)")
+    b, x = _start("resnet18", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks)
+    with b.scope():
+        x = b.conv_bn(x, _ch(64, width), 7, stride=2, pad=3, conv_scope="conv1", bn_scope="bn1")
+        with b.scope("relu"):
+            x = b.relu(x)
+        with b.scope("maxpool"):
+            x = b.maxpool(x, 3, 2, 1)
+    inplanes = _ch(64, width)
+    for stage, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
+        planes = _ch(planes, width)
+        for i in range(int(n)):
+            stride = 2 if (stage > 0 and i == 0) else 1
+            with b.scope(f"layer{stage + 1}", i):
+                identity = x
+                y = b.conv_bn(x, planes, 3, stride=stride, pad=1, conv_scope="conv1", bn_scope="bn1")
+                with b.scope("relu"):
+                    y = b.relu(y)
+                y = b.conv_bn(y, planes, 3, pad=1, conv_scope="conv2", bn_scope="bn2")
+                if stride != 1 or inplanes != planes:
+                    with b.scope("downsample"):
+                        identity = b.conv_bn(x, planes, 1, stride=stride, conv_scope="0", bn_scope="1")
+                y = b.add(y, identity)
+                with b.scope("relu_1"):
+                    x = b.relu(y)
+            inplanes = planes
+    out = b.classifier(x, num_classes)
+    return b.build({"output": out}, doc=f"resnet18 layers={tuple(layers)} width={width}")
 
 
 # ---------------------------------------------------------------------- DenseNet-121
@@ -666,6 +716,7 @@ def efficientnet_like(
 BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
     "googlenet": googlenet,
     "inception_v3": inception_v3,
+    "resnet18": resnet18,
     "resnet50": resnet50,
     "densenet121": densenet121,
     "squeezenet1_1": squeezenet1_1,

@@ -1,0 +1,81 @@
+"""The VTA artifact: compile to a directory, load it with the runtime only, run it, refuse bad ones."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError
+from tvm_layerfuse.testing import zoo
+from tvm_layerfuse.vta import pipeline
+from tvm_layerfuse.vta.quantize import random_samples, reference
+from tvm_layerfuse.vta.runtime import load_vta
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vta")
+    model = zoo.googlenet(blocks=1, width=0.25, image=32, seed=3)
+    path = d / "net.onnx"
+    path.write_bytes(model.SerializeToString())
+    calib = [{"input": np.random.default_rng(k).standard_normal((1, 3, 32, 32)).astype(np.float32)} for k in range(2)]
+    rep = pipeline.compile_vta(str(path), d / "art", calibration=calib)
+    b = pipeline.build(str(path), calibration=calib)
+    return d / "art", rep, b
+
+
+def test_loaded_artifact_matches_the_int8_reference(artifact):
+    art, rep, b = artifact
+    mod = load_vta(art)
+    feeds = random_samples(b.graph, 1, seed=5)[0]
+    out = mod.run(feeds).outputs["output"]
+    np.testing.assert_array_equal(out, reference(b.graph, b.quantization, feeds)["output"])
+    manifest = json.loads((art / "vta.json").read_text())
+    assert {op["kind"] for op in manifest["ops"]} == {"vta", "host"}
+    assert rep["counters"]["fused"]["dram_nbytes"] < rep["counters"]["unfused"]["dram_nbytes"]
+    assert sum(rep["instructions"].values()) == sum(manifest["instructions"].values())
+    text = pipeline.format_report(rep)
+    assert "host  conv" in text and "3 input channels" in text and "in place" in text and "dram_nbytes" in text
+
+
+def test_runtime_side_imports_neither_onnx_nor_tvm(artifact):
+    art, _, _ = artifact
+    code = (
+        "import sys, numpy as np\n"
+        "from tvm_layerfuse.vta.runtime import load_vta\n"
+        f"m = load_vta({str(art)!r})\n"
+        "m.run({'input': np.zeros((1, 3, 32, 32), np.float32)})\n"
+        "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('onnx', 'tvm', 'onnxruntime'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_no_board_is_a_clear_error(artifact):
+    art, _, _ = artifact
+    with pytest.raises(DeviceError, match="no VTA device found .*pass device='sim'"):
+        load_vta(art, device="board")
+
+
+def test_tampered_or_foreign_artifacts_are_refused(artifact, tmp_path):
+    art, _, _ = artifact
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(art, bad)
+    raw = bytearray((bad / "dram.bin").read_bytes())
+    raw[-1] ^= 1
+    (bad / "dram.bin").write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match="does not match its checksum"):
+        load_vta(bad)
+    with pytest.raises(ArtifactError, match="has no vta.json"):
+        load_vta(tmp_path)
+
+
+def test_wrong_input_shape_is_an_input_error(artifact):
+    art, _, _ = artifact
+    with pytest.raises(InputError, match="input 'input' has shape \\[1, 3, 16, 16\\]; expected \\[1, 3, 32, 32\\]"):
+        load_vta(art).run({"input": np.zeros((1, 3, 16, 16), np.float32)})
