@@ -33,10 +33,14 @@ class EpilogueOp:
     """One op of an epilogue or a prologue.
 
     ``role``: ``"bias"``, ``"batchnorm"``, ``"per-channel Mul"`` (``Add``, ``Sub``, ``Div``),
-    ``"activation"``, ``"residual"`` (an absorbed ``Add``) or ``"multiply"`` (an absorbed
-    ``Mul``). ``layer`` is the first-graph layer it stands for (None in a horizontal merge's
-    shared epilogue), ``layers`` every layer when it spans several (SiLU: Sigmoid and Mul).
-    ``params`` holds an activation's parameters (``alpha``; ``min``/``max``). ``folded``: the
+    ``"activation"``, ``"residual"`` (an absorbed ``Add``), ``"multiply"`` (an absorbed
+    ``Mul``), ``"gate"`` (a ``Mul`` after the activation: the squeeze-and-excitation gate,
+    the conv's ``[N, C, 1, 1]`` output broadcast over the extra input) or ``"post_add"``
+    (an ``Add`` after the activation: YOLO's bottleneck shortcut). ``layer`` is the
+    first-graph layer it stands for (None in a horizontal merge's shared epilogue),
+    ``layers`` every layer when it spans several (SiLU: Sigmoid and Mul).
+    ``params`` holds an activation's parameters (``alpha``; ``min``/``max``; HardSigmoid's
+    ``alpha``/``beta``; Gelu's ``approximate``; PRelu's ``slope`` tensor). ``folded``: the
     op is folded into the conv's weight and bias. ``extra_input``: the other operand of a
     residual or multiply."""
 
