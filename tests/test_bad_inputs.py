@@ -226,6 +226,20 @@ def _missing_initializer() -> bytes:
     return _bytes(m)
 
 
+def _prefix_concat_output() -> bytes:
+    """A torchvision-style dense block whose middle Concat is also a graph output: it is a
+    prefix of the block's last Concat but needs storage of its own, so it stays a copy."""
+    from graphs import Net
+
+    n = Net(seed=8)
+    x = n.input("x", (1, 4, 4, 4))
+    x0 = n.relu(n.conv(x, 4, name="stem"))
+    d1 = n.conv(n.relu(n.bn(n.concat([x0], name="cat1"))), 2, name="d1", bias=False)
+    cat2 = n.concat([x0, d1], name="cat2")
+    d2 = n.conv(n.relu(n.bn(cat2)), 2, name="d2", bias=False)
+    return _bytes(n.build([n.concat([x0, d1, d2], name="cat3"), cat2]))
+
+
 @dataclass(frozen=True)
 class Case:
     what: str  # the bad input, as the README names it
@@ -286,6 +300,10 @@ CASES = [
          ("ok", "note: weights hold NaN/Inf values: 'w' (2 of 108 values)"),
          ("ok", "WARNING: model nan.onnx has weights with NaN/Inf values ('w': 2 of 108); the outputs they "
                 "reach are NaN/Inf or clamped")),
+    Case("prefix Concat that is also a graph output", "prefix_out.onnx", _prefix_concat_output,
+         ("ok", "'cat2' is a prefix of concat 'cat3', whose block its inputs already write into, but its output "
+                "'cat2_out' is a graph output"),
+         ("ok", "wrote artifact")),
 ]  # fmt: skip
 
 

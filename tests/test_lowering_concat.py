@@ -292,10 +292,11 @@ def test_constant_input_falls_back():
 def test_pipeline_places_the_passes_after_fuse_tir():
     names = [p.info.name for p in layerfuse_pipeline(TARGET).passes()]
     k = names.index("FuseTIR")
-    assert names[k + 1 : k + 3] == ["SplitOutputBuffers", "InPlaceConcat"]
-    assert names.index("StaticPlanBlockMemory") > k + 2
-    default = [p.info.name for p in layerfuse_pipeline(TARGET, split_outputs=False, inplace_concat=False).passes()]
-    assert default == [n for n in names if n not in ("SplitOutputBuffers", "InPlaceConcat")]
+    assert names[k + 1 : k + 4] == ["InlinePrologue", "SplitOutputBuffers", "InPlaceConcat"]
+    assert names.index("StaticPlanBlockMemory") > k + 3
+    options = dict(split_outputs=False, inplace_concat=False, prologue=False)
+    default = [p.info.name for p in layerfuse_pipeline(TARGET, **options).passes()]
+    assert default == [n for n in names if n not in ("InlinePrologue", "SplitOutputBuffers", "InPlaceConcat")]
 
 
 def test_module_report_agrees_with_executable_report():

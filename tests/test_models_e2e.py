@@ -2,8 +2,10 @@
 onnxruntime (graph optimisations off, fp32, max relative error 1e-4) and with each other.
 
 The architectures users bring from PyTorch (torch.onnx.export's structure, small width and
-input size) and the nine ONNX model-zoo networks with seeded random weights (their shipped
-weights are constant fills). Whole-size model-zoo networks are marked slow.
+input size) and the nine ONNX model-zoo networks with seeded live weights (their shipped
+weights are constant fills), logits compared as well as the softmax. Every model must be
+live (two inputs give clearly different outputs) or the comparison could not fail.
+Whole-size model-zoo networks are marked slow.
 """
 
 import onnx
@@ -12,7 +14,8 @@ import pytest
 from graphs import compile_and_compare
 from tvm_layerfuse.planner import plan
 from tvm_layerfuse.testing import zoo
-from tvm_layerfuse.testing.weights import random_weights
+from tvm_layerfuse.testing.weights import assert_live, with_logits
+from tvm_layerfuse.testing.zoo import live_light_model
 
 ZOO = {
     "googlenet": lambda: zoo.googlenet(image=32, seed=1),
@@ -30,6 +33,7 @@ SLOW_ZOO = ("inception_v3",)  # needs a 75x75 input: ~20 s
 
 
 def check_model(model: onnx.ModelProto, *, seed: int = 0) -> dict:
+    assert_live(model)
     result, fused, default = compile_and_compare(model, seed=seed)
     return {"fused": fused.launches, "default": default.launches, "report": result.report}
 
@@ -57,9 +61,7 @@ def test_torch_style_architectures(name):
         "shufflenet", "squeezenet", "vgg19", "zfnet512",
     )],
 )  # fmt: skip
-def test_model_zoo_networks_with_random_weights(name):
-    from tvm_layerfuse.models import light_model
-
-    model = random_weights(onnx.load(str(light_model(name))), seed=13)
+def test_model_zoo_networks_with_live_weights(name):
+    model = with_logits(live_light_model(name, seed=13))
     kernels = check_model(model, seed=2)
     assert kernels["fused"] <= kernels["default"]

@@ -9,21 +9,19 @@ be exactly one kernel launch. One test runs a real network from the ONNX model z
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
-import onnx
 import pytest
 import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from graphs import RTOL, Net, compile_and_compare, feeds_for, rel_err, run_ort
+from graphs import Net, compile_and_compare, feeds_for, run_ort
 from tvm_layerfuse.relax import FuseConv2DEpilogue
 from tvm_layerfuse.relax.fuse_epilogue import EpilogueSpec
 from tvm_layerfuse.relax.pipeline import build, count_kernels, fuse_with_report, run, unfused
-from tvm_layerfuse.testing.weights import random_weights
-from tvm_layerfuse.testing.zoo import light_models
+from tvm_layerfuse.testing.checks import output_mismatches
+from tvm_layerfuse.testing.weights import assert_live, with_logits
+from tvm_layerfuse.testing.zoo import light_models, live_light_model
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 
@@ -302,22 +300,21 @@ def test_fused_kernels_are_fewer_than_tvms_own_on_a_residual_block():
 
 def test_light_resnet50_matches_onnxruntime_with_fewer_kernels():
     """ONNX model zoo ResNet-50 (Caffe2 export: Conv -> BatchNormalization -> Relu, Sum
-    residuals) at batch 1, 224x224, random weights. ~15 s on 2 cores (measured)."""
-    path = light_models().get("resnet50")
-    if path is None:
+    residuals) at batch 1, 224x224, seeded live weights, softmax and logits compared."""
+    if "resnet50" not in light_models():
         pytest.skip("this onnx installation ships no light_resnet50")
-    model = random_weights(onnx.load(str(path)), seed=7)
+    model = with_logits(live_light_model("resnet50", seed=7))
+    assert_live(model)
     feeds = feeds_for(model, seed=8)
-    expected = run_ort(model, feeds)[0]
-    start = time.perf_counter()
+    expected = run_ort(model, feeds)
     result = fuse_with_report(model)
     ex = build(result.mod, target=TARGET)
-    got = run(ex, list(feeds.values()))[0]
-    elapsed = time.perf_counter() - start
-    assert rel_err(expected, got) <= RTOL, f"fused ResNet-50 vs onnxruntime: {rel_err(expected, got):.3g}"
+    got = run(ex, list(feeds.values()))
+    problems = output_mismatches(expected, got, names=["softmax", "logits"])
+    assert len(got) == 2 and not problems, f"fused ResNet-50 vs onnxruntime: {problems}"
     check = result.report["plan_check"]
     assert check["batchnorm_folded"] == {"plan": 53, "relax": 53}
     assert check["eltwise_merged"] == {"plan": 16, "relax": 16}
     ours, tvm_default = count_kernels(ex), count_kernels(unfused(model))
-    assert (tvm_default, ours) == (107, 58), "kernels per inference: TVM default pipeline vs ours"
-    assert elapsed < 120, f"fuse + build + run took {elapsed:.0f} s"
+    # (107, 58) when the logits are not a graph output: both builds then count one more kernel
+    assert (tvm_default, ours) == (106, 57), "kernels per inference: TVM default pipeline vs ours"

@@ -31,6 +31,7 @@ from tvm_layerfuse.deploy import board
 from tvm_layerfuse.errors import ArtifactError, InputError, UsageError
 from tvm_layerfuse.testing import zoo
 from tvm_layerfuse.testing.checks import run_onnxruntime
+from tvm_layerfuse.testing.weights import assert_live
 
 RTOL = 1e-4  # max |a - b| / max |a| against onnxruntime with optimisations off
 
@@ -45,6 +46,7 @@ def squeezenet(tmp_path_factory):
     """(onnx model, its path, fused CPU artifact): a small SqueezeNet 1.1 (32x32 input)."""
     d = tmp_path_factory.mktemp("squeezenet")
     model = zoo.squeezenet1_1(image=32)
+    assert_live(model)
     path = d / "squeezenet.onnx"
     onnx.save(model, path)
     art = compile_model(path, d / "cpu", target="cpu", fuse=True, progress=False)
@@ -68,6 +70,15 @@ def own_server():
     """A server of the test's own, for tests that kill or freeze it."""
     with board.start_server(port=0) as s:
         yield s
+
+
+@pytest.fixture
+def refused():
+    """(host, port) of a TCP socket bound but not listening: connections are refused, and the
+    port stays ours for the whole test (a port looked up and released could be taken)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()
 
 
 @pytest.fixture
@@ -140,10 +151,17 @@ def test_scalar_weights_survive_the_trip(tmp_path, server):
 
 
 def test_random_inputs_are_seeded(squeezenet, server):
-    _, _, art = squeezenet
+    model, _, art = squeezenet
     a = rpc.deploy(art, rpc=f"127.0.0.1:{server.port}", seed=3)
     b = rpc.deploy(art, rpc=f"127.0.0.1:{server.port}", seed=3)
+    c = rpc.deploy(art, rpc=f"127.0.0.1:{server.port}", seed=4)
     np.testing.assert_array_equal(a.outputs["output"], b.outputs["output"])
+    # the seed is used: another seed gives another input, hence (live weights) another output ...
+    assert rel_err(a.outputs["output"], c.outputs["output"]) > 0.01
+    # ... and it is the documented one: standard normal from default_rng(seed)
+    x = {"input": np.random.default_rng(3).standard_normal((1, 3, 32, 32)).astype(np.float32)}
+    (ref,) = run_onnxruntime(model, x)
+    assert rel_err(ref, a.outputs["output"]) <= RTOL
 
 
 # ---------------------------------------------------------------------- tracker
@@ -165,32 +183,31 @@ def test_tracker_spreads_runs_over_both_boards(squeezenet, image):
     assert rel_err(ref, result.outputs["output"]) <= RTOL
 
 
+# "Fails fast" is asserted by its kind: with a generous timeout, the error is the refusal
+# itself, never a DeployTimeoutError (which only waiting out the timeout could give).
 def test_tracker_without_the_key_fails_fast_and_names_the_keys(squeezenet):
     _, _, art = squeezenet
     with board.start_tracker(port=0) as tracker:
         with board.start_server(port=0, tracker=tracker.address, key="rasp4"):
-            t = time.monotonic()
-            with pytest.raises(rpc.DeployError, match=r"no board registered under key 'jetson' \(keys there: rasp4\)"):
-                rpc.deploy(art, tracker=tracker.address, key="jetson", timeout=20)
-            assert time.monotonic() - t < 10
+            with pytest.raises(rpc.DeployError, match=r"no board registered under key 'jetson' \(keys there: rasp4\)") as e:
+                rpc.deploy(art, tracker=tracker.address, key="jetson", timeout=120)
+            assert not isinstance(e.value, rpc.DeployTimeoutError)
 
 
-def test_tracker_not_running(squeezenet):
+def test_tracker_not_running(squeezenet, refused):
     _, _, art = squeezenet
-    t = time.monotonic()
-    with pytest.raises(rpc.DeployError, match="cannot connect to the tracker .*connection refused"):
-        rpc.deploy(art, tracker=("127.0.0.1", board.free_port()), key="edge", timeout=20)
-    assert time.monotonic() - t < 10
+    with pytest.raises(rpc.DeployError, match="cannot connect to the tracker .*connection refused") as e:
+        rpc.deploy(art, tracker=refused, key="edge", timeout=120)
+    assert not isinstance(e.value, rpc.DeployTimeoutError)
 
 
 # ---------------------------------------------------------------------- failures, each one line and bounded
-def test_server_not_listening_fails_fast(squeezenet):
+def test_server_not_listening_fails_fast(squeezenet, refused):
     _, _, art = squeezenet
-    port = board.free_port()
-    t = time.monotonic()
+    port = refused[1]
     with pytest.raises(rpc.DeployError) as e:
-        rpc.deploy(art, rpc=("127.0.0.1", port), timeout=20)
-    assert time.monotonic() - t < 10
+        rpc.deploy(art, rpc=refused, timeout=120)
+    assert not isinstance(e.value, rpc.DeployTimeoutError)
     msg = str(e.value)
     assert f"cannot connect to board 127.0.0.1:{port}: connection refused" in msg
     assert "python -m tvm.exec.rpc_server" in msg and "\n" not in msg
@@ -208,7 +225,7 @@ def test_board_that_never_answers_times_out(squeezenet):
             rpc.DeployTimeoutError, match=r"board 127\.0\.0\.1:\d+: timed out after 2 s while connecting"
         ):
             rpc.deploy(art, rpc=silent.getsockname(), timeout=2)
-        assert time.monotonic() - t < 2 + 5
+        assert time.monotonic() - t >= 2  # not before its time (a bound that holds under any load)
     finally:
         silent.close()
 
@@ -228,11 +245,9 @@ def _when_timing(action, delay: float):
 def test_server_killed_during_the_run(squeezenet, own_server):
     _, _, art = squeezenet
     progress, fired = _when_timing(lambda: own_server.signal(signal.SIGKILL), 0.5)
-    t = time.monotonic()
     with pytest.raises(rpc.DeployError) as e:
-        rpc.deploy(art, rpc=own_server.address, repeat=200_000, timeout=20, progress=progress)
+        rpc.deploy(art, rpc=own_server.address, repeat=200_000, timeout=120, progress=progress)
     assert fired, "the timed runs never started"
-    assert time.monotonic() - t < 20
     assert not isinstance(e.value, rpc.DeployTimeoutError)  # a dropped connection is seen at once
     assert f"board 127.0.0.1:{own_server.port} dropped the connection while timing runs" in str(e.value)
 
@@ -241,19 +256,16 @@ def test_frozen_server_times_out_mid_run(squeezenet, own_server):
     """SIGSTOP: the connection stays open and silent, as with a hung board or a dead link."""
     _, _, art = squeezenet
     progress, fired = _when_timing(lambda: own_server.signal(signal.SIGSTOP), 0.3)
-    t = time.monotonic()
     with pytest.raises(rpc.DeployTimeoutError, match=r"timed out after 3 s while timing runs .*raise --timeout"):
         rpc.deploy(art, rpc=own_server.address, repeat=200_000, timeout=3, progress=progress)
-    assert fired
-    assert time.monotonic() - t < 3 + 6
+    assert fired  # the freeze came during the timed runs, and the timeout after it
 
 
 def test_board_ends_a_session_longer_than_its_session_timeout(squeezenet, own_server):
     _, _, art = squeezenet
-    t = time.monotonic()
-    with pytest.raises(rpc.DeployError, match=r"ended the session after its 1 s session timeout"):
-        rpc.deploy(art, rpc=own_server.address, repeat=200_000, timeout=20, session_timeout=1)
-    assert time.monotonic() - t < 10
+    with pytest.raises(rpc.DeployError, match=r"ended the session after its 1 s session timeout") as e:
+        rpc.deploy(art, rpc=own_server.address, repeat=200_000, timeout=120, session_timeout=1)
+    assert not isinstance(e.value, rpc.DeployTimeoutError)  # the board's own limit, not ours
     # ... and the board is free again for the next client.
     assert rpc.deploy(art, rpc=own_server.address).latency.runs == 1
 
@@ -277,13 +289,13 @@ def test_aarch64_artifact_refused_by_x86_board_before_upload(squeezenet, own_ser
     assert "load_module" not in own_server.log_tail(100)
 
 
-def test_device_mismatch_refused_before_connecting(squeezenet):
+def test_device_mismatch_refused_before_connecting(squeezenet, refused):
     _, _, art = squeezenet
     with pytest.raises(rpc.BoardMismatchError, match=r"compiled for cpu .* but --device cuda was requested"):
-        rpc.deploy(art, rpc=("127.0.0.1", board.free_port()), device="cuda")
+        rpc.deploy(art, rpc=refused, device="cuda")
 
 
-def test_damaged_artifact_refused_before_connecting(squeezenet, tmp_path):
+def test_damaged_artifact_refused_before_connecting(squeezenet, tmp_path, refused):
     _, _, art = squeezenet
     copy = tmp_path / "copy"
     shutil.copytree(art, copy)
@@ -291,12 +303,12 @@ def test_damaged_artifact_refused_before_connecting(squeezenet, tmp_path):
     lib[-100] ^= 0xFF
     (copy / "model.so").write_bytes(bytes(lib))
     with pytest.raises(ArtifactError, match="'model.so' in artifact .* has sha256"):
-        rpc.deploy(copy, rpc=("127.0.0.1", board.free_port()))
+        rpc.deploy(copy, rpc=refused)
 
 
-def test_bad_inputs_and_options(squeezenet):
+def test_bad_inputs_and_options(squeezenet, refused):
     _, _, art = squeezenet
-    nowhere = ("127.0.0.1", board.free_port())
+    nowhere = refused
     with pytest.raises(InputError, match=r"input 'input' has shape \[1, 3, 16, 16\]; expected \[1, 3, 32, 32\]"):
         rpc.deploy(art, rpc=nowhere, inputs={"input": np.zeros((1, 3, 16, 16), np.float32)})
     with pytest.raises(InputError, match="has dtype float64; expected float32"):
@@ -345,14 +357,11 @@ def test_cli_failure_is_one_line_and_writes_nothing(squeezenet, own_server, cli_
     out = tmp_path / "y.npz"
     stop = threading.Event()
 
-    def kill_once_loaded() -> None:  # the server logs load_module; the timed runs follow at once
-        deadline = time.monotonic() + 30
-        while not stop.is_set() and time.monotonic() < deadline:
+    def kill_once_loaded() -> None:  # the event: the server logs load_module (the runs follow)
+        while not stop.wait(0.05):
             if "load_module" in own_server.log_tail(50):
-                time.sleep(0.5)
                 own_server.signal(signal.SIGKILL)
                 return
-            time.sleep(0.05)
 
     killer = threading.Thread(target=kill_once_loaded)
     killer.start()

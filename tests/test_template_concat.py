@@ -6,6 +6,7 @@ import pytest
 
 from graphs import Net, assert_realizes, feeds_for, run_ort
 from tvm_layerfuse.planner import plan
+from tvm_layerfuse.report import plan_text
 
 
 def _slot_values(model, p, name):
@@ -97,3 +98,71 @@ def test_nested_concats_share_one_block():
     assert len(p.groups_of("concat")) == 2
     cat1 = p.second.layer("cat1")
     assert cat1.fused.writes_into[c1].to_dict() == {"concat": "cat2", "axis": 1, "range": [0, 6], "byte_offset": 0}
+
+
+def _torchvision_dense_block(n: Net, x0: str, layers: int, *, prefix: str = "") -> tuple[list[str], str]:
+    """A dense block as torchvision writes it: layer i reads Concat(x0, new_1, ..., new_{i-1})
+    built afresh (BN -> Relu -> conv); the block ends with Concat(x0, new_1, ..., new_n)."""
+    features, cats = [x0], []
+    for i in range(layers):
+        cat = n.concat(list(features), name=f"{prefix}cat{i + 1}")
+        cats.append(cat)
+        features.append(n.conv(n.relu(n.bn(cat)), 2, name=f"{prefix}d{i + 1}", bias=False))
+    return cats, n.concat(features, name=f"{prefix}cat{layers + 1}")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prefix_concats_share_one_block(batch):
+    n = Net(seed=7)
+    x = n.input("x", (batch, 4, 4, 4))
+    x0 = n.relu(n.conv(x, 4, name="stem"))
+    cats, out = _torchvision_dense_block(n, x0, 3)
+    model = n.build([n.conv(n.relu(n.bn(out)), 3, k=1, name="head")])
+    p = assert_realizes(model)
+    assert p.refusals_of("concat") == [] and len(p.groups_of("concat")) == 4
+    block = p.second.layer("cat4")
+    assert block.fused.in_place and block.fused.concat.view_of is None
+    assert block.fused.concat.views == ("cat3", "cat2", "cat1")  # largest first
+    whole, parts = _slot_values(model, p, "cat4")
+    for view in ("cat1", "cat2", "cat3"):
+        layer = p.second.layer(view)
+        assert layer.fused.concat.view_of == "cat4" and layer.fused.concat.contiguous is (batch == 1)
+        lo, hi = layer.fused.concat.range
+        assert lo == 0 and hi == 4 + 2 * (int(view[-1]) - 1)
+        # the view's slots are the block's leading slots, at the same offsets
+        assert layer.fused.concat.slots == block.fused.concat.slots[: len(layer.inputs)]
+        viewed, _ = _slot_values(model, p, view)
+        np.testing.assert_array_equal(whole[:, lo:hi], viewed)
+    # every producer writes once, into the one block
+    writes = [(t, w.concat) for l in p.second for t, w in l.fused.writes_into.items()]
+    assert sorted(writes) == sorted((t, "cat4") for t in block.inputs)
+    text = plan_text(p, graphs=True)
+    assert "prefix view [0:8] of the block of cat4" in text and "Concat(view of cat4)" in text
+
+
+def test_prefix_view_that_is_a_graph_output_is_refused_exactly():
+    n = Net(seed=8)
+    x = n.input("x", (1, 4, 4, 4))
+    x0 = n.relu(n.conv(x, 4, name="stem"))
+    cats, out = _torchvision_dense_block(n, x0, 2)
+    model = n.build([out, cats[1]])  # cat2 is also a graph output: it needs storage of its own
+    p = assert_realizes(model)
+    (r,) = p.refusals_of("concat")
+    assert r.layers[0] == "cat2"
+    assert r.reason == (
+        "'cat2' is a prefix of concat 'cat3', whose block its inputs already write into, "
+        f"but its output {cats[1]!r} is a graph output and needs storage of its own"
+    )
+    assert p.second.layer("cat1").fused.concat.view_of == "cat3"  # the other prefix is still a view
+
+
+def test_concat_reading_a_prefix_view_is_refused_exactly():
+    n = Net(seed=9)
+    x = n.input("x", (1, 4, 4, 4))
+    x0 = n.relu(n.conv(x, 4, name="stem"))
+    cats, out = _torchvision_dense_block(n, x0, 2)
+    other = n.concat([cats[1], n.relu(n.conv(x, 2, name="side"))], name="other")
+    p = assert_realizes(n.build([out, other]))
+    (r,) = p.refusals_of("concat")
+    assert r.layers[0] == "other"
+    assert r.reason == f"input {cats[1]!r} is a prefix view of concat 'cat3' and already lives in its block"

@@ -73,6 +73,8 @@ def shape_str(shape: Optional[Sequence[Optional[int]]]) -> str:
 def layer_label(layer: Layer) -> str:
     """``Conv+BatchNormalization+Relu`` for a fused layer, the op type otherwise."""
     f = layer.fused
+    if f.concat is not None and f.concat.view_of is not None:
+        return f"{layer.op_type}(view of {f.concat.view_of})"
     if f.in_place:
         return f"{layer.op_type}(in place)"
     parts = [e.op for e in f.prologue] + [layer.op_type] + [e.op for e in f.epilogue]
@@ -137,6 +139,9 @@ def group_summary(group: FusionGroup) -> str:
             for o in d["offsets"]
         )
         layout = "contiguous" if d["contiguous"] else "strided"
+        if d.get("view_of"):
+            lo, hi = d["range"]
+            return f"prefix view [{lo}:{hi}] of the block of {d['view_of']} (axis {d['axis']}, {layout}): {offs}"
         return f"axis {d['axis']}, {layout} block of {d['block_bytes']} B: {offs}"
     return ", ".join(f"{k}={v}" for k, v in d.items())
 

@@ -171,10 +171,10 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
     """tvm.compile for the preset with TVM's default Relax pipeline (the one that runs
     FuseOps/FuseTIR; GPU targets also get dlight schedules) - plus, when fusing, the lowering
     passes (in-place concat, split-output buffers) after FuseTIR. CUDA kernels go through nvcc."""
-    import tvm
     from tvm import relax
 
     from ..lowering import layerfuse_pipeline
+    from ..relax._ir import tvm_compile
 
     tgt = spec.tvm_target()
     try:
@@ -185,7 +185,7 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
                 scope.enter_context(nvcc_fatbin(spec.arch))
             scope.enter_context(tgt)
             pipeline = layerfuse_pipeline(tgt) if fuse else relax.get_default_pipeline(tgt)
-            return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
+            return tvm_compile(mod, target=tgt, relax_pipeline=pipeline)  # works around an LLVM crash
     except BuildError:
         raise
     except Exception as e:

@@ -8,6 +8,8 @@ lowering passes after FuseTIR. Counted on ``main``:
 * bytes written per inference: the output tensors of every compute kernel (the
   activations that go through memory) plus what copy kernels (concatenate, split) write;
 * concatenate and split kernels that only copy, and the bytes the concatenates copy;
+  concatenates ``FuseOps`` fused into a computing consumer (e.g. BatchNorm + ReLU) are no
+  copy but write the joined features again, normalised (counted apart);
 * peak activation memory: the storage blocks TVM's memory planner allocates.
 
 The layerfuse side includes the lowering passes (in-place concat, split-output buffers).
@@ -94,6 +96,7 @@ def text(report: dict[str, Any]) -> str:
         ("kernel launches per inference", "kernels"),
         ("  of which convolutions", "conv_kernels"),
         ("  concatenate copies", "concat_kernels"),
+        ("  concatenates fused into a computing kernel", "concat_fused"),
         ("  split copies", "split_kernels"),
         ("bytes written per inference", "bytes_written"),
         ("bytes copied by concatenates", "concat_bytes_copied"),

@@ -8,12 +8,16 @@ and before ``StaticPlanBlockMemory``):
 * :class:`InPlaceConcat` (``inplace_concat.py``) - every producer of a concat writes its
   output straight into the concat's block at its offset (``byte_offset_i = o_i * H * W *
   itemsize`` at batch 1, strided otherwise); the concat kernel disappears; nested concats
-  share one block;
+  share one block, and so do prefix concats (DenseNet as torchvision writes it: each
+  concat of a dense block is a leading slice of the block's largest);
+* :class:`InlinePrologue` (``inline_prologue.py``) - a BatchNorm+Relu prologue group computes
+  the normalisation inside the conv's padding stage (no normalised copy is written);
 * :func:`layerfuse_pipeline` (``pipeline.py``) - TVM's default Relax pipeline for a target
   with both passes after FuseTIR, for ``tvm.compile(..., relax_pipeline=...)``;
 * :func:`concat_report` - concat kernels, bytes they copy and planned activation memory.
 """
 
+from .inline_prologue import InlinePrologue, PrologueReport
 from .inplace_concat import InPlaceConcat, InPlaceReport
 from .pipeline import (
     LayerfusePipeline,
@@ -28,9 +32,11 @@ from .pipeline import (
 from .split_outputs import SplitOutputBuffers, SplitReport
 
 __all__ = [
+    "InlinePrologue",
     "InPlaceConcat",
     "InPlaceReport",
     "LayerfusePipeline",
+    "PrologueReport",
     "SplitOutputBuffers",
     "SplitReport",
     "concat_report",

@@ -40,6 +40,17 @@ block: an in-place concat that is itself an input of an in-place concat becomes 
 ``B[.., o : o + C_k, ..]`` of the outer block (offsets add up), and its own producers write
 at the summed offsets. Readers of the inner concat read that region of ``B``.
 
+Prefix concats (DenseNet as torchvision writes it: dense layer ``k`` reads
+``p_k = Concat(x_0, x_1, ..., x_{k-1})`` built afresh) share one block as well. When the
+arguments of ``p`` are exactly the first arguments of a concat ``q`` that already claims
+them, on the same axis::
+
+    p = q[.., 0 : C_p, ..]            C_p = C_0 + ... + C_{k-1}
+
+so ``p`` is a *prefix view*: its kernel disappears and its readers read that region of
+``q``'s block (for batch ``N > 1`` a strided region, read with the same index arithmetic).
+Every producer writes once, into the block of the chain's largest concat.
+
 ``FuseOps`` may fuse nested concats into one kernel (Inception-v3's block E:
 ``Concat(x, Concat(a, b), Concat(c, d), p)``); that kernel is recognised as one concat of
 all the leaves (:func:`._tir.match_concat`), each at the sum of the nested offsets.
@@ -80,7 +91,9 @@ class InPlaceReport(Report):
     """What :class:`InPlaceConcat` decided on its last run.
 
     ``concats``: one dict per concat kernel found, in binding order, with ``status`` one of
-    ``"in_place"`` (the root of a block), ``"view"`` (nested in an outer in-place concat),
+    ``"in_place"`` (the root of a block), ``"view"`` (a region of another concat's block:
+    ``view`` says ``"nested"``, an input of an outer in-place concat, or ``"prefix"``, the
+    leading slice of a concat with the same first inputs),
     ``"fallback"`` (kept as a copy; ``reason`` says why); ``block`` the root concat whose
     storage it lives in; ``inputs`` the slots (tensor, producer kernel, range along the axis,
     byte offset in the block or None when strided).
@@ -99,7 +112,8 @@ class InPlaceReport(Report):
     def to_dict(self) -> dict[str, Any]:
         return {
             "in_place": len([c for c in self.concats if c["status"] == "in_place"]),
-            "nested_views": len([c for c in self.concats if c["status"] == "view"]),
+            "nested_views": len([c for c in self.concats if c["status"] == "view" and c.get("view") != "prefix"]),
+            "prefix_views": len([c for c in self.concats if c.get("view") == "prefix"]),
             "fallback": len(self.fallback),
             "concats": list(self.concats),
         }
@@ -261,6 +275,9 @@ class InPlaceConcat:
 
     Parameters
     ----------
+    prefix:
+        Let a concat whose inputs are the leading inputs of another in-place concat become a
+        view of that one's block (torchvision's DenseNet). ``False`` leaves it a copy.
     nested:
         Let an in-place concat that feeds another in-place concat become a view of the
         outer block (DenseNet). ``False`` gives each concat its own block; the inner concat
@@ -271,8 +288,9 @@ class InPlaceConcat:
     ``self.report`` (an :class:`InPlaceReport`) says what happened to every concat.
     """
 
-    def __init__(self, *, nested: bool = True) -> None:
+    def __init__(self, *, nested: bool = True, prefix: bool = True) -> None:
         self.nested = nested
+        self.prefix = prefix
         self.report = InPlaceReport()
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -319,6 +337,24 @@ class InPlaceConcat:
         new = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
         return bb.normalize(new)
 
+    @staticmethod
+    def _view_reason(site: "_Site", index: "_Block", outer) -> Optional[str]:
+        """Why concat ``site`` cannot be read as a region of a block, or None."""
+        var = site.var
+        if outer is not None:
+            return f"its output is also written into concat {outer.name}"
+        if not isinstance(var, relax.DataflowVar) or var in index.escaping:
+            return f"its output {var.name} is an output of the dataflow block and needs storage of its own"
+        for u in index.uses.get(var, []):
+            if u.kind != "arg":
+                if isinstance(index.block.bindings[u.index].value, relax.Tuple):
+                    return f"its output {var.name} is a graph output (binding {u.index}) and needs storage of its own"
+                return f"its output {var.name} is used other than as a kernel argument (binding {u.index})"
+            reason = index.reader_reason(u)
+            if reason:
+                return f"a reader of {var.name}: {reason}"
+        return None
+
     def _decide(self, name: str, index: _Block, block_index: int) -> Optional["_Plan"]:
         sites: list[_Site] = []
         for i, b in enumerate(index.block.bindings):
@@ -342,6 +378,7 @@ class InPlaceConcat:
         reason: dict = {}
         claimed: dict = {}  # leaf key -> the concat that writes it
         leaves: dict = {}  # site var -> [leaf per input]
+        prefix_of: dict = {}  # site var -> the concat whose leading slice it is
         for site in reversed(sites):  # outer (later) concats first: they decide the blocks
             why = None
             found = []
@@ -350,6 +387,14 @@ class InPlaceConcat:
                 why = f"its output is written into concat {outer.name} (nesting disabled)"
             elif any(a.same_as(b) for j, a in enumerate(site.args) for b in site.args[j + 1 :]):
                 why = "an input appears twice; one tensor cannot live at two offsets"
+            owner = _prefix_owner(site, index, claimed, by_var) if why is None and self.prefix else None
+            if owner is not None:  # a prefix of a concat that already plans the block
+                why = self._view_reason(site, index, outer)
+                if why is None:
+                    prefix_of[site.var] = owner
+                    status[site.var] = "view"
+                    continue
+                why = f"a prefix of concat {owner.name} (whose block its inputs write into), but {why}"
             for a in site.args if why is None else []:
                 leaf = index.leaf(a)
                 if isinstance(leaf, str):
@@ -377,7 +422,8 @@ class InPlaceConcat:
                     if inner is not None and status.get(inner.var) == "in_place" and leaf.field is None:
                         parent[inner.var] = site.var
                         status[inner.var] = "view"
-        plan = _Plan(sites=sites, by_var=by_var, status=status, leaves=leaves, parent=parent)
+        parent.update(prefix_of)  # an owner claimed its leaves, so it is in place (or a nested view)
+        plan = _Plan(sites=sites, by_var=by_var, status=status, leaves=leaves, parent=parent, prefix_of=prefix_of)
         plan.place()
         for site in sites:
             entry = {
@@ -388,6 +434,7 @@ class InPlaceConcat:
                 "shape": list(site.kernel.out_shape),
                 "dtype": site.kernel.dtype,
                 "status": status[site.var],
+                "view": ("prefix" if site.var in prefix_of else "nested") if status[site.var] == "view" else None,
                 "block": plan.root_of(site.var).name if status[site.var] != "fallback" else None,
                 "reason": reason.get(site.var),
                 "inputs": plan.describe_inputs(site, index),
@@ -404,6 +451,29 @@ class InPlaceConcat:
         if not any(s != "fallback" for s in status.values()):
             return None
         return plan
+
+
+def _prefix_owner(site: "_Site", index: "_Block", claimed: dict, by_var: dict):
+    """The concat whose leading inputs are exactly ``site``'s and already claim them (so
+    ``site`` is its slice ``[0 : C_site)`` along the same axis), or None."""
+    owners = set()
+    for a in site.args:
+        leaf = index.leaf(a) if isinstance(a, relax.Var) else None
+        if not isinstance(leaf, _Leaf) or leaf.key not in claimed:
+            return None
+        owners.add(claimed[leaf.key])
+    if len(owners) != 1:
+        return None
+    owner = by_var[owners.pop()]
+    n = len(site.args)
+    same = all(a.same_as(b) for a, b in zip(site.args, owner.args[:n]))
+    if not same or n > len(owner.args):
+        return None
+    if n > 1 and owner.kernel.axis != site.kernel.axis:  # a one-input concat is a plain copy: any axis
+        return None
+    if tuple(site.kernel.starts) != tuple(owner.kernel.starts[:n]):
+        return None
+    return owner.var
 
 
 def _escaping(func: relax.Function, k: int) -> set:
@@ -430,6 +500,7 @@ class _Plan:
     status: dict
     leaves: dict
     parent: dict
+    prefix_of: dict = field(default_factory=dict)  # prefix view var -> the concat it is a slice of
     blocks: dict = field(default_factory=dict)  # root var -> (shape, dtype)
     region_of: dict = field(default_factory=dict)  # placed var (leaf or view) -> (root var, offsets)
     writes: dict = field(default_factory=dict)  # leaf key -> (root var, offsets)
@@ -444,6 +515,11 @@ class _Plan:
             if self.status[site.var] == "in_place":
                 self.blocks[site.var] = (tuple(site.kernel.out_shape), site.kernel.dtype)
                 self._place(site, site.var, (0,) * len(site.kernel.out_shape))
+        for view, owner in self.prefix_of.items():
+            if self.status.get(view) != "view":
+                continue
+            # the slice [0 : C_view) of the owner: the owner's own region (or its block, at 0)
+            self.region_of[view] = self.region_of.get(owner, (owner, (0,) * len(self.blocks[owner][0])))
 
     def _place(self, site: _Site, root, base: tuple) -> None:
         for leaf, start in zip(self.leaves[site.var], site.kernel.starts):

@@ -5,6 +5,7 @@
     layerfuse_pipeline(target)       == TVM's get_default_pipeline(target), plus two passes:
       library dispatch                 (DispatchSampling, DispatchSortScan)
       LegalizeOps ... FuseOps, FuseTIR
+      -> InlinePrologue                BatchNorm+Relu prologues computed inside the conv (inline_prologue.py)
       -> SplitOutputBuffers            producers write their split pieces (split_outputs.py)
       -> InPlaceConcat                 producers write into the concat block (inplace_concat.py)
       [dlight default GPU schedules]   CUDA / ROCm / Metal: still applied, to the new kernels too
@@ -46,6 +47,7 @@ from tvm import relax
 from ..errors import UsageError
 from ..relax._ir import as_target, default_target
 from . import _tir
+from .inline_prologue import InlinePrologue
 from .inplace_concat import InPlaceConcat, InPlaceReport
 from .split_outputs import SplitOutputBuffers, SplitReport
 
@@ -115,10 +117,12 @@ def _insert_after_fuse_tir(legalize: list, ours: list) -> list:
     return legalize[:k] + ours + legalize[k:]
 
 
-def layerfuse_passes(*, split_outputs: bool = True, inplace_concat: bool = True, nested: bool = True) -> list:
-    """The two lowering passes, in order, for a pipeline of one's own: put them right after
+def layerfuse_passes(
+    *, split_outputs: bool = True, inplace_concat: bool = True, nested: bool = True, prologue: bool = True
+) -> list:
+    """The lowering passes, in order, for a pipeline of one's own: put them right after
     FuseTIR. For a GPU target keep ``split_outputs=False`` (see :class:`LayerfusePipeline`)."""
-    passes = []
+    passes = [InlinePrologue()] if prologue else []
     if split_outputs:
         passes.append(SplitOutputBuffers())
     if inplace_concat:
@@ -132,9 +136,10 @@ class LayerfusePipeline:
 
     Options (keywords): ``split_outputs`` (remove split kernels; ``None``: on for CPU, off
     for GPU targets, see below), ``inplace_concat`` (remove concat kernels), ``nested``
-    (nested concats share one block), ``stop_after`` (``"StaticPlanBlockMemory"`` ends the
+    (nested concats share one block), ``prologue`` (inline BatchNorm+Relu prologue groups
+    into their conv, :class:`.inline_prologue.InlinePrologue`), ``stop_after`` (``"StaticPlanBlockMemory"`` ends the
     pipeline right after memory planning, for :func:`concat_report`; None runs it all). With
-    both passes off this is TVM's default pipeline. ``split_report`` and ``inplace_report``
+    the three passes off this is TVM's default pipeline. ``split_report`` and ``inplace_report``
     describe the last run; ``notes`` says what was left out for this target and why.
 
     GPU targets: dlight's Matmul rule (which schedules every conv on CUDA) handles exactly
@@ -152,6 +157,7 @@ class LayerfusePipeline:
         split_outputs: Optional[bool] = None,
         inplace_concat: bool = True,
         nested: bool = True,
+        prologue: bool = True,
         stop_after: Optional[str] = None,
     ) -> None:
         self.target = as_target(target)
@@ -172,6 +178,7 @@ class LayerfusePipeline:
                 )
         self._split = SplitOutputBuffers() if split_outputs else None
         self._concat = InPlaceConcat(nested=nested) if inplace_concat else None
+        self._prologue = InlinePrologue() if prologue else None
         self.stop_after = stop_after
         _stages(self.target)  # fail now, not inside tvm.compile, for an unsupported target
 
@@ -185,7 +192,7 @@ class LayerfusePipeline:
 
     def passes(self) -> list:
         dispatch, legalize, lower, finalize = _stages(self.target)
-        ours = [p for p in (self._split, self._concat) if p is not None]
+        ours = [p for p in (self._prologue, self._split, self._concat) if p is not None]
         seq = dispatch + _insert_after_fuse_tir(legalize, ours) + lower + finalize
         if self.stop_after is not None:
             names = [p.info.name for p in seq]
@@ -207,7 +214,7 @@ def layerfuse_pipeline(target, **options) -> tvm.transform.Pass:
 
 def default_passes(target, **options) -> tvm.transform.Pass:
     """TVM's default pipeline, built the same way (the baseline of :func:`concat_report`)."""
-    return LayerfusePipeline(target, split_outputs=False, inplace_concat=False, **options)
+    return LayerfusePipeline(target, split_outputs=False, inplace_concat=False, prologue=False, **options)
 
 
 def plan_memory(mod: tvm.IRModule, target, *, layerfuse: bool = True, **options) -> tvm.IRModule:
@@ -441,7 +448,7 @@ def plan_check(plan: Optional[FusionPlan], report: InPlaceReport) -> dict[str, A
     the Relax module) and concats ``FuseOps`` already fused into a consumer disappear
     before it runs, so the numbers may differ for good reasons; the report says which."""
     planned = len(plan.groups_of("concat")) if plan is not None else None
-    done = len(report.in_place)  # block roots and the views nested in them
+    done = len(report.in_place)  # block roots and the views (nested or prefix) in them
     out = {"plan_in_place": planned, "lowering_in_place": done, "lowering_fallback": len(report.fallback)}
     if planned is not None and planned != done:
         log.info("concat: the plan marks %d concat(s) in place, the lowering made %d free", planned, done)

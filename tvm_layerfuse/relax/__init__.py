@@ -9,12 +9,15 @@
   tensor itself;
 * :class:`FuseConv2DEpilogue` - vertical + element-wise merge: conv2d + bias + [residual
   add/mul] + [activation] grouped into one function per group, lowered to one TIR kernel;
+* :class:`FuseConv2DPrologue` - pre-activation merge: BatchNorm + Relu before a conv2d
+  becomes that conv's prologue (DenseNet, ResNet-v2), one kernel that reads the raw input;
 * :func:`fuse`, :func:`build`, :func:`run`, :func:`count_kernels` - the pipeline.
 """
 
 from .cancel_split_concat import CancelSplitConcat
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import FuseConv2DEpilogue
+from .fuse_prologue import FuseConv2DPrologue
 from .horizontal import MergeParallelConv2D
 from .importer import RelaxImportError, UnsupportedOpError, import_onnx
 from .pipeline import (
@@ -37,6 +40,7 @@ __all__ = [
     "CancelSplitConcat",
     "FoldAffineIntoConv2D",
     "FuseConv2DEpilogue",
+    "FuseConv2DPrologue",
     "FuseResult",
     "KernelCount",
     "MergeParallelConv2D",

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -218,3 +219,53 @@ def conv2d_layout_reason(call: relax.Call) -> Optional[str]:
     if in_dtype is None or not in_dtype.startswith(("float", "bfloat")):
         return f"conv2d computes in {in_dtype}; only floating point is folded"
     return None
+
+
+# ---------------------------------------------------------------------- tvm.compile
+LLVM_VERIFY_FAILED = "LLVM module verification failed"
+"""How TVM 0.27 reports the invalid LLVM IR that :func:`tvm_compile` works around."""
+NO_SLP = "-vectorize-slp=false"
+
+
+def _without_slp(target: tvm.target.Target) -> Optional[tvm.target.Target]:
+    """``target`` with LLVM's SLP vectorizer off for its LLVM part (the target itself or its
+    host); None when no LLVM code generation is involved or it is off already."""
+
+    def no_slp(t: tvm.target.Target) -> Optional[dict]:
+        config = dict(t.export())
+        if t.kind.name != "llvm" or NO_SLP in list(config.get("cl-opt", [])):
+            return None
+        config["cl-opt"] = [*config.get("cl-opt", []), NO_SLP]
+        config.pop("host", None)  # given separately
+        return config
+
+    if target.kind.name == "llvm":
+        cfg = no_slp(target)
+        return tvm.target.Target(cfg) if cfg else None
+    host = getattr(target, "host", None)
+    cfg = no_slp(host) if host is not None else None
+    return tvm.target.Target(target, host=tvm.target.Target(cfg)) if cfg else None
+
+
+def tvm_compile(mod: tvm.IRModule, *, target: tvm.target.Target, relax_pipeline) -> Any:
+    """``tvm.compile(mod, target=target, relax_pipeline=relax_pipeline)``, built again with
+    LLVM's SLP vectorizer off when LLVM's verifier rejects the code.
+
+    TVM 0.27 (LLVM 22) on a generic x86-64 target: a kernel that stores ``sigmoid(x)`` (or
+    ``tanh(x)``) into a local buffer and then combines it with ``x`` (SiLU written as
+    ``Sigmoid`` + ``Mul`` after a conv, on a 4x2x5 tensor) comes out of LLVM's O3 pipeline
+    with a ``shufflevector`` that does not dominate its uses, and TVM raises "LLVM module
+    verification failed". Disabling the SLP vectorizer (``cl-opt: -vectorize-slp=false``)
+    avoids it, at the cost of SLP vectorization for that build only; every other build keeps
+    TVM's default code generation. See ``tests/test_llvm_workaround.py`` for the reproducer.
+    """
+    try:
+        return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline)
+    except Exception as e:  # tvm.error.InternalError from the LLVM verifier
+        retry = _without_slp(target) if LLVM_VERIFY_FAILED in str(e) else None
+        if retry is None:
+            raise
+    logging.getLogger(__name__).warning(
+        "LLVM rejected the code TVM generated for %s; building again without LLVM's SLP vectorizer", target.kind.name
+    )
+    return tvm.compile(mod, target=retry, relax_pipeline=relax_pipeline)

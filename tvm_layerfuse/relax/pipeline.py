@@ -8,7 +8,8 @@
       1. FoldAffineIntoConv2D    vertical         BN / per-channel Mul/Add/Sub/Div -> conv weight, bias
       2. MergeParallelConv2D     horizontal       parallel convs -> one conv + split (relax/horizontal.py)
       3. FuseConv2DEpilogue      vertical + eltwise  conv + bias + [residual] + [act] -> one function
-      4. AbsorbElementwiseConsumers                what FuseOps would still fuse after a group joins it
+      4. FuseConv2DPrologue      vertical (pre-activation)  BatchNorm + Relu -> that conv's prologue
+      5. AbsorbElementwiseConsumers                what FuseOps would still fuse after a group joins it
       bind_params                                 W', b' become constants, computed once here
                                                   (LiftTransformParams + one compile, then BindParams)
 
@@ -39,10 +40,11 @@ from tvm import relax
 from ..errors import UsageError
 from ..planner import FusionPlan
 from ..report import Report
-from ._ir import TargetLike, as_target, default_target, param_names, weight_param
+from ._ir import TargetLike, as_target, default_target, param_names, tvm_compile, weight_param
 from .absorb_elementwise import AbsorbElementwiseConsumers
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
+from .fuse_prologue import FuseConv2DPrologue, plan_prologue_convs
 from .horizontal import MergeParallelConv2D, MergeReport, merge_groups_from_plan
 from .importer import import_onnx
 
@@ -73,6 +75,9 @@ class FuseReport(Report):
     horizontal: Optional[MergeReport] = None  # MergeParallelConv2D (None: not run)
     groups: list[dict[str, Any]] = field(default_factory=list)  # FuseConv2DEpilogue: one per fused function
     group_refused: list[dict[str, Any]] = field(default_factory=list)
+    # FuseConv2DPrologue: {"function", "conv_weight", "input", "absorbs"} per BatchNorm+Relu prologue group
+    prologues: list[dict[str, Any]] = field(default_factory=list)
+    prologue_refused: list[dict[str, Any]] = field(default_factory=list)
     absorbed: list[dict[str, Any]] = field(default_factory=list)  # AbsorbElementwiseConsumers: {"function", "group", "ops"}
     plan_check: Optional[dict[str, Any]] = None  # the plan's counts next to the passes' (with a plan)
 
@@ -148,7 +153,13 @@ def fuse_with_report(
     report.groups = list(epilogue.groups)
     report.group_refused = list(epilogue.refused)
 
-    # 4. what the plan left after a group that TVM's FuseOps would fuse into it (never more
+    # 4. pre-activation prologue: BatchNorm + Relu in front of a conv, inside its kernel
+    prologue = FuseConv2DPrologue(plan_convs=None if plan is None else plan_prologue_convs(plan, param_names(mod)))
+    mod = prologue(mod)
+    report.prologues = list(prologue.groups)
+    report.prologue_refused = list(prologue.refused)
+
+    # 5. what the plan left after a group that TVM's FuseOps would fuse into it (never more
     #    kernels than the default pipeline)
     absorb = AbsorbElementwiseConsumers()
     mod = absorb(mod)
@@ -209,7 +220,7 @@ def lift_weights(mod: tvm.IRModule, values: Sequence[Any]) -> tuple[tvm.IRModule
     transform = lifted.get_global_var("main_transform_params")
     prepare = tvm.IRModule({"main": lifted[transform].with_attr("global_symbol", "main")})
     tgt = default_target()
-    ex = tvm.compile(prepare, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
+    ex = tvm_compile(prepare, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
     vm = relax.VirtualMachine(ex, tvm.cpu())
     outs = _flatten(vm["main"]([_as_tensor(v) for v in values]))
     inference = tvm.IRModule(
@@ -261,7 +272,7 @@ def build(mod: tvm.IRModule, *, target: TargetLike = "llvm") -> relax.VMExecutab
     """Compile with TVM's default Relax pipeline for ``target`` (the one with FuseOps/FuseTIR;
     ``tvm.compile``'s own default for CPU does not fuse at all)."""
     tgt = as_target(target)
-    return tvm.compile(mod, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
+    return tvm_compile(mod, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
 
 
 def run(ex: relax.VMExecutable, inputs: Sequence[np.ndarray], *, device=None) -> list[np.ndarray]:

@@ -5,7 +5,14 @@
   writes them, small enough to compile quickly; plus the ONNX "light" model-zoo networks.
 * :mod:`.graphgen` - random valid CNN graphs for differential fuzzing: hypothesis
   strategies (:func:`~.graphgen.cnn_graphs`) and a plain seeded :func:`~.graphgen.random_cnn`.
-* :mod:`.checks` - the onnxruntime reference run and the fusion plan's invariants.
+* :mod:`.checks` - the onnxruntime reference run, the output comparison every numeric test
+  makes (:func:`~.checks.output_mismatches`), and the fusion plan's invariants.
+* :mod:`.weights` - live test weights (:func:`~.weights.live_weights`: He-normal, BatchNorm
+  calibrated layer by layer) and the check that a model can show an error at all
+  (:func:`~.weights.assert_live`); :func:`~.weights.with_logits` exposes the logits before
+  a final Softmax.
+* :mod:`.mutation` - deliberate bugs (x1.01, a zeroed channel or row at three depths) that the
+  comparison must report: the test of the tests.
 
 ``graphgen`` imports hypothesis only when its strategies are used.
 """

@@ -1,20 +1,74 @@
 """Checks shared by the tests and the fuzzing scripts.
 
 * :func:`run_onnxruntime` - the reference run (home: :mod:`tvm_layerfuse.topology.reference`).
+* :func:`output_mismatches` / :func:`worst_error` - the numeric comparison every model test
+  makes: each output ``max|ref - got| / max|ref| <= RTOL`` (1e-4, fp32), shapes equal,
+  non-finite values at the same places (:func:`.differential.relative_error`).
 * :func:`plan_violations` - the invariants every fusion plan must keep, checked from the
   plan's graphs alone (independently of ``planner.validate``), as a list of problems.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Sequence
 
-__all__ = ["plan_violations", "run_onnxruntime"]
+import numpy as np
 
 from ..topology.reference import run_onnxruntime
 
+__all__ = ["RTOL", "gpu_present", "output_mismatches", "plan_violations", "run_onnxruntime", "worst_error"]
+
 if TYPE_CHECKING:
     from ..planner import FusionPlan
+
+
+RTOL = 1e-4
+"""fp32: max |ref - got| / max |ref| against onnxruntime with optimisations off."""
+
+
+def worst_error(expected: Sequence[np.ndarray], got: Sequence[np.ndarray]) -> float:
+    """The largest relative error over the outputs (inf when the output counts differ)."""
+    from .differential import relative_error
+
+    if len(expected) != len(got):
+        return float("inf")
+    return max((relative_error(e, g) for e, g in zip(expected, got)), default=0.0)
+
+
+def output_mismatches(
+    expected: Sequence[np.ndarray],
+    got: Sequence[np.ndarray],
+    *,
+    names: Optional[Sequence[str]] = None,
+    rtol: float = RTOL,
+) -> list[str]:
+    """One line per output whose relative error exceeds ``rtol`` (empty when all agree)."""
+    from .differential import relative_error
+
+    names = list(names) if names is not None else [f"output {k}" for k in range(len(expected))]
+    if len(expected) != len(got):
+        return [f"{len(got)} outputs where {len(expected)} were expected"]
+    problems = []
+    for name, e, g in zip(names, expected, got):
+        err = relative_error(e, g)
+        if not err <= rtol:
+            problems.append(f"{name}: relative error {err:.3g} > {rtol:g} (shapes {np.shape(e)} / {np.shape(g)})")
+    return problems
+
+
+def gpu_present() -> bool:
+    """Whether the TVM runtime can open a CUDA device here (a driver and a GPU); tests that
+    compare CUDA numbers skip, with that reason, when it cannot."""
+    import tvm
+
+    from ..errors import DeviceError
+    from ..runtime.loader import _load_cuda_runtime
+
+    try:
+        _load_cuda_runtime(tvm)
+    except DeviceError:
+        return False
+    return bool(tvm.cuda(0).exist)
 
 
 def plan_violations(p: "FusionPlan") -> list[str]:

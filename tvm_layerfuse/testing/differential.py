@@ -407,14 +407,14 @@ def check_case(
     if "lowered" in stages and fused_mod is not None:
         # What `compile` builds: the fused module through layerfuse_pipeline (in-place concat,
         # split-output buffers after FuseTIR).
-        import tvm
 
         from ..lowering import layerfuse_pipeline
+        from ..relax._ir import tvm_compile
         from ..relax.pipeline import run
 
         try:
             with tgt:
-                ex = tvm.compile(fused_mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
+                ex = tvm_compile(fused_mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
             got = run(ex, inputs)
         except Exception as e:
             result.findings.append(Finding("lowered-crash", _error_line(e) + _where(e)))

@@ -37,6 +37,7 @@ zoo that the ``onnx`` package ships as "light" test models (weights are
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -50,12 +51,14 @@ from ._builder import NetBuilder, check_options, model_inputs, random_inputs
 
 __all__ = [
     "BUILDERS",
+    "DENSENET121_FULL",
     "densenet121",
     "efficientnet_like",
     "googlenet",
     "inception_v3",
     "light_models",
     "light_reference",
+    "live_light_model",
     "mobilenet_v2",
     "model_inputs",
     "random_inputs",
@@ -79,10 +82,10 @@ def make_divisible(v: float, divisor: int = 8, min_value: Optional[int] = None) 
     return new_v
 
 
-def _start(name: str, *, batch: int, image: int, seed: int, opset: int, bn: str, quirks: bool):
+def _start(name: str, *, batch: int, image: int, seed: int, opset: int, bn: str, quirks: bool, calibrate: bool = True):
     clip = "attributes" if isinstance(opset, int) and opset <= 10 else "inputs"  # the form the opset has
     check_options(opset=opset, bn=bn, clip=clip, batch=batch, image=image)
-    b = NetBuilder(name, seed=seed, opset=opset, bn=bn, clip=clip, quirks=quirks)
+    b = NetBuilder(name, seed=seed, opset=opset, bn=bn, clip=clip, quirks=quirks, calibrate=calibrate)
     x = b.input("input", (batch, 3, image, image))
     return b, x
 
@@ -376,6 +379,10 @@ def resnet18(
 
 
 # ---------------------------------------------------------------------- DenseNet-121
+DENSENET121_FULL = {"width": 1.0, "block_config": (6, 12, 24, 16), "image": 224}
+"""torchvision's ``densenet121`` at full size (for reports; the tests use reduced sizes)."""
+
+
 def densenet121(
     *,
     batch: int = 1,
@@ -388,8 +395,14 @@ def densenet121(
     opset: int = 13,
     quirks: bool = True,
     num_classes: int = 10,
+    calibrate: bool = True,
 ) -> onnx.ModelProto:
     """torchvision ``densenet121`` with ``block_config`` dense layers per block.
+
+    The real network: ``densenet121(**DENSENET121_FULL)`` (width 1, blocks (6, 12, 24, 16),
+    224x224; 58 dense layers). ``calibrate=False`` skips the numpy calibration pass that
+    sets the BatchNorm statistics (seconds instead of ~30 s at full size; the statistics
+    stay near identity) - enough for planning and counting, not for numeric checks.
 
     Stem conv0 7x7/2 -> norm0 -> relu0 -> pool0 maxpool 3/2 pad 1. Dense layer
     (pre-activation): Concat(features) -> norm1 -> relu1 -> conv1 1x1 (bn_size*growth)
@@ -412,7 +425,9 @@ def densenet121(
         raise ValueError(f"concat={concat!r}; expected 'torch' or 'nested'")
     if not block_config or any(int(n) < 1 for n in block_config):
         raise ValueError(f"block_config={tuple(block_config)}; expected positive dense-layer counts")
-    b, x = _start("densenet121", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks)
+    b, x = _start(
+        "densenet121", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks, calibrate=calibrate
+    )
     growth = _ch(32, width)
     bn_size = 4
     with b.scope("features"):
@@ -514,13 +529,27 @@ def squeezenet1_1(
                 x = b.concat([y1, y3], axis=1)
     with b.scope("classifier"):
         with b.scope(1):
-            x = b.conv(x, num_classes, 1)
+            x = b.conv(x, num_classes, 1, **_live_relu_head(b, x, num_classes))
         with b.scope(2):
             x = b.relu(x)
         with b.scope(3):
             x = b.global_avgpool(x)
     out = b.flatten(x)
     return b.build({"output": out}, doc=f"squeezenet1_1 width={width}")
+
+
+def _live_relu_head(b: NetBuilder, x: str, cout: int) -> dict:
+    """Weight and bias of a 1x1 conv whose output goes through a Relu to the logits (SqueezeNet's
+    classifier): on a small image it sees a few pixels, and a bias drawn at random leaves
+    ~half of the logits 0 for every input. The bias is set from the calibration batch so each
+    channel's pre-activation has mean = one standard deviation (~84 % of values positive)."""
+    w = b.he_weight(cout, b.shapes[x][1], 1, 1)  # [C_out, C_in, 1, 1]
+    v = b.value(x)  # [N, C_in, H, W] on the calibration batch
+    if v is None:
+        return dict(weight=w)
+    pre = np.einsum("oi,nihw->nohw", w[:, :, 0, 0], v, dtype=np.float64)  # [N, C_out, H, W]
+    mean, std = pre.mean(axis=(0, 2, 3)), pre.std(axis=(0, 2, 3))  # [C_out]
+    return dict(weight=w, bias_value=(std - mean).astype(np.float32))
 
 
 # ---------------------------------------------------------------------- MobileNetV2
@@ -736,3 +765,20 @@ def light_reference(name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
         feeds[n] = (np.arange(size).reshape(shape) / size).astype(np.float32)
     output = numpy_helper.to_array(onnx.load_tensor(str(out_path)))
     return feeds, output
+
+
+@functools.cache
+def _live_light_bytes(name: str, seed: int) -> bytes:
+    from .weights import live_weights
+
+    models = light_models()
+    if name not in models:
+        raise FileNotFoundError(f"light model {name!r} is not shipped with onnx {onnx.__version__} at {light_dir()}")
+    return live_weights(onnx.load(str(models[name])), seed=seed).SerializeToString()
+
+
+def live_light_model(name: str, *, seed: int = 13) -> onnx.ModelProto:
+    """Light model ``name`` with seeded live weights (:func:`.weights.live_weights`): its
+    shipped constant weights give every input the same output. Drawn once per process and
+    name; each call returns a fresh copy. FileNotFoundError when onnx ships no such model."""
+    return onnx.load_from_string(_live_light_bytes(name, seed))

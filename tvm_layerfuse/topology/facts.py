@@ -16,7 +16,7 @@ fact                      written by
 ``extra_input``,          eltwise (the other operand of the absorbed op, and whether
 ``overwrite_extra_input``  the fused layer may write its result over it)
 ``split``, ``branches``   horizontal (each branch's output channels, each branch's facts)
-``concat``                concat (the in-place block: axis, layout, slots)
+``concat``                concat (the in-place block: axis, layout, slots; prefix views)
 ``writes_into``           concat, on each producer (where its output lives in the block)
 ========================  =========================================================
 """
@@ -33,10 +33,14 @@ class EpilogueOp:
     """One op of an epilogue or a prologue.
 
     ``role``: ``"bias"``, ``"batchnorm"``, ``"per-channel Mul"`` (``Add``, ``Sub``, ``Div``),
-    ``"activation"``, ``"residual"`` (an absorbed ``Add``) or ``"multiply"`` (an absorbed
-    ``Mul``). ``layer`` is the first-graph layer it stands for (None in a horizontal merge's
-    shared epilogue), ``layers`` every layer when it spans several (SiLU: Sigmoid and Mul).
-    ``params`` holds an activation's parameters (``alpha``; ``min``/``max``). ``folded``: the
+    ``"activation"``, ``"residual"`` (an absorbed ``Add``), ``"multiply"`` (an absorbed
+    ``Mul``), ``"gate"`` (a ``Mul`` after the activation: the squeeze-and-excitation gate,
+    the conv's ``[N, C, 1, 1]`` output broadcast over the extra input) or ``"post_add"``
+    (an ``Add`` after the activation: YOLO's bottleneck shortcut). ``layer`` is the
+    first-graph layer it stands for (None in a horizontal merge's shared epilogue),
+    ``layers`` every layer when it spans several (SiLU: Sigmoid and Mul).
+    ``params`` holds an activation's parameters (``alpha``; ``min``/``max``; HardSigmoid's
+    ``alpha``/``beta``; Gelu's ``approximate``; PRelu's ``slope`` tensor). ``folded``: the
     op is folded into the conv's weight and bias. ``extra_input``: the other operand of a
     residual or multiply."""
 
@@ -113,19 +117,33 @@ class ConcatWrite:
 
 @dataclass(frozen=True)
 class ConcatBlock:
-    """A concat whose inputs are written straight into its output block."""
+    """A concat whose inputs are written straight into its output block.
+
+    A *prefix view* (torchvision's DenseNet: this concat's inputs are the leading inputs of
+    a larger in-place concat) has no block of its own: ``view_of`` names the concat whose
+    block it reads, ``range`` the leading positions ``[0, C)`` it covers, and its ``slots``
+    are that block's leading slots. The block's own concat lists its views in ``views``."""
 
     axis: int
     contiguous: bool
     slots: tuple[ConcatSlot, ...]
+    view_of: Optional[str] = None
+    range: Optional[tuple[int, int]] = None
+    views: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "in_place": True,
             "axis": self.axis,
             "contiguous": self.contiguous,
             "slots": [s.to_dict() for s in self.slots],
         }
+        if self.view_of is not None:
+            out["view_of"] = self.view_of
+            out["range"] = list(self.range)
+        if self.views:
+            out["views"] = list(self.views)
+        return out
 
 
 @dataclass(frozen=True)
