@@ -49,14 +49,12 @@ import onnx
 from onnx import helper
 
 from ..errors import first_line
+from .checks import plan_violations, relative_error
 
 log = logging.getLogger(__name__)
 
 RTOL = 1e-4
 """float32: max |a - b| / max |a| (see the module doc for near-zero outputs)."""
-SCALE_FLOOR = 0.1
-"""Near-zero outputs are measured against ``SCALE_FLOOR * M`` (M: their ancestors' largest magnitude)."""
-
 KINDS = (
     "reference-crash",
     "plan-crash",
@@ -108,28 +106,6 @@ class CaseResult:
 
 
 # ---------------------------------------------------------------------- comparisons
-def relative_error(ref: np.ndarray, got: np.ndarray, *, scale: float = 0.0) -> float:
-    """``max|ref - got| / max(max|ref|, SCALE_FLOOR * scale)``; inf on a shape or NaN/Inf mismatch."""
-    ref = np.asarray(ref)
-    got = np.asarray(got)
-    if ref.shape != got.shape:
-        return float("inf")
-    a = ref.astype(np.float64)
-    b = got.astype(np.float64)
-    fa, fb = np.isfinite(a), np.isfinite(b)
-    if not np.array_equal(fa, fb):
-        return float("inf")
-    if not fa.all():
-        same = np.array_equal(a[~fa], b[~fb], equal_nan=True)
-        if not same:
-            return float("inf")
-        a, b = a[fa], b[fb]
-    if a.size == 0:
-        return 0.0
-    denom = max(float(np.abs(a).max()), SCALE_FLOOR * float(scale), 1e-30)
-    return float(np.abs(a - b).max() / denom)
-
-
 def output_scales(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> dict[str, float]:
     """For each graph output: the largest finite magnitude among the tensors it is computed
     from (every ancestor with a value in ``values``, the output itself included)."""
@@ -342,7 +318,6 @@ def check_case(
     p = None
     if any(s in stages for s in ("plan", "realize", "fused")):
         from ..planner import plan as make_plan
-        from .checks import plan_violations
 
         try:
             p = make_plan(model)
