@@ -287,6 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
 INTERRUPTED = "error: interrupted; nothing was written"
 
 
+def _say_interrupted() -> None:
+    """The one error line of an interrupt, on the terminal even when the interrupt came while
+    native output was redirected (see :mod:`tvm_layerfuse.native_output`)."""
+    from .. import native_output
+
+    native_output.restore()
+    print(INTERRUPTED, file=sys.stderr)
+
+
 class Interrupts:
     """SIGINT while a command runs: recorded and raised as ``KeyboardInterrupt`` until the
     command's result is in place (:meth:`done`), ignored from then on.
@@ -362,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None, *, standalone: bool = False) -> i
         try:
             return _main(argv, interrupts)
         except KeyboardInterrupt:  # Ctrl-C before the command started (imports, argument parsing)
-            print(INTERRUPTED, file=sys.stderr)
+            _say_interrupted()
             return 130
 
 
@@ -382,13 +391,13 @@ def _run(args: argparse.Namespace, interrupts: list[int]) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
+        _say_interrupted()
         return 130
     except Exception as e:
         if interrupts:
             # Ctrl-C inside a Python callback that TVM called from C++ (our Relax passes)
             # comes back out of TVM's FFI as a RuntimeError, or wrapped in our BuildError.
-            print(INTERRUPTED, file=sys.stderr)
+            _say_interrupted()
             return 130
         if isinstance(e, LayerfuseError):
             print(f"error: {e}", file=sys.stderr)

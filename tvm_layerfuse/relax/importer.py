@@ -28,13 +28,8 @@ Why the two canonicalisations (both compute exactly the same function):
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import io
 import logging
-import os
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -44,6 +39,7 @@ import onnx
 import tvm
 from tvm import relax
 
+from .. import native_output
 from ..errors import LayerfuseError, first_line
 from ..topology.graph import TopologyGraph
 from ..topology.materialize import materialize_constants
@@ -126,7 +122,7 @@ def _from_onnx(model: onnx.ModelProto, *, label: str, shape_dict: dict, dtype_di
 
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     failure: Optional[_ImportFailure] = None
-    with _native_output_to_log("TVM's ONNX importer"):
+    with native_output.to_log("TVM's ONNX importer", log):
         importer = frontend.onnx_frontend.ONNXGraphImporter(
             shape_dict, dtype_dict, keep_params_in_input=True, sanitize=True
         )
@@ -225,32 +221,11 @@ def _onnxruntime_refusal(model: onnx.ModelProto) -> Optional[str]:
     if not reference.available():
         return None
     try:
-        with _native_output_to_log("onnxruntime"):
+        with native_output.to_log("onnxruntime", log):
             reference.session(model)
     except Exception as e:
         return first_line(e).removeprefix("[ONNXRuntimeError] : ")[:200]
     return ""
-
-
-@contextlib.contextmanager
-def _native_output_to_log(what: str):
-    """Send what the code inside prints - Python's stdout and the C++ side's stderr (fd 2) -
-    to this module's debug log instead of the terminal."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured, contextlib.redirect_stdout(io.StringIO()) as printed:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            text = printed.getvalue() + captured.read().decode("utf-8", "replace")
-    if text.strip():
-        log.debug("%s said:\n%s", what, text.rstrip())
 
 
 # ---------------------------------------------------------------------- ONNX rewrites
