@@ -3,17 +3,16 @@ x86-64; the manifest records which, and an artifact built for missing extensions
 
 import json
 
-import numpy as np
 import onnx
 import pytest
-
 from graphs import rel_err, run_ort
+
 from tvm_layerfuse.build import compile_model
 from tvm_layerfuse.errors import ArtifactError
 from tvm_layerfuse.presets import host_cpu_name, preset_names, resolve
 from tvm_layerfuse.runtime import load
 from tvm_layerfuse.runtime_tactics import check_cpu, cpu_flags
-from tvm_layerfuse.testing import random_inputs, random_cnn
+from tvm_layerfuse.testing import random_cnn, random_inputs
 
 
 def test_cpu_preset_names_this_hosts_cpu():

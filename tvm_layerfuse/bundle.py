@@ -55,7 +55,7 @@ PRUNE = (
     "tvm_ffi/cython",
 )
 PACKAGES = ("tvm", "tvm_ffi", "ml_dtypes", "typing_extensions", "cloudpickle", "psutil")
-LOADER = ("__init__.py", "errors.py", "artifact.py", "runtime.py", "runner.py")
+LOADER = ("__init__.py", "errors.py", "artifact.py", "runtime.py", "runtime_tactics.py", "runner.py")
 WHEELS = {
     "tvm": "apache-tvm=={tvm}",
     "tvm_ffi": "apache-tvm-ffi=={ffi}",
