@@ -1,0 +1,267 @@
+"""UseOneDNNConv: hand each conv layer that oneDNN runs well to the oneDNN tactic library.
+
+The layers are the fused conv functions of :mod:`tvm_layerfuse.relax.fuse_epilogue`
+(``layerfuse_conv2d_*``) and the bare ``R.nn.conv2d`` calls left in ``main`` (unfused
+models, convs without an epilogue). Per output element, NCHW::
+
+    y = act( conv2d(x, W) + b [+ r] )          W, b: BatchNorm already folded in
+      ==  oneDNN convolution_forward(x, W, b)  with post-ops [sum(1) if r] [eltwise act]
+          on a destination pre-filled with r
+
+so the call becomes::
+
+    y = R.call_dps_packed("layerfuse.onednn.conv2d[_add]",
+                          (x, W, reshape(b, [O]) [, r], attrs, alpha, beta), R.Tensor(y.shape))
+
+with ``attrs = (stride_h, stride_w, pad_t, pad_l, pad_b, pad_r, dil_h, dil_w, groups, act)``
+and ``act``: 0 none, 1 relu (``alpha``: LeakyRelu's slope), 2 clip [``alpha``, ``beta``],
+3 silu. A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend on
+weights only, so ``LiftTransformParams`` computes them at compile time.
+
+The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
+is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
+bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_info_str`` not
+``ref:``); otherwise ``tvm`` (TVM's own kernel), with the reason. ``pass.layers`` lists
+every choice ``{"layer", "tactic", "kernel" | "reason", "shape"}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ...relax._common import conv2d_layout_reason, dtype_of, is_primitive, relax_functions, static_shape
+from ...relax.fuse_epilogue import PREFIX
+from . import onednn
+
+log = logging.getLogger(__name__)
+
+ACT_CODES = {None: 0, "relu": 1, "leakyrelu": 1, "clip": 2, "silu": 3}
+
+
+@dataclass
+class LayerChoice:
+    """The tactic of one conv layer."""
+
+    layer: str  # the fused function (or the bound variable of a bare conv)
+    tactic: str  # "onednn" | "tvm"
+    kernel: str = ""  # oneDNN's implementation name when "onednn"
+    reason: str = ""  # why not oneDNN, when "tvm"
+    shape: str = ""  # "x[1,64,56,56] w[64,64,3,3]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Epilogue:
+    conv: relax.Call
+    data: relax.Expr
+    weight: relax.Expr
+    bias: Optional[relax.Expr] = None
+    residual: Optional[relax.Expr] = None
+    act: Optional[str] = None
+    alpha: float = 0.0
+    beta: float = 0.0
+
+
+class Refused(Exception):
+    """A layer oneDNN does not take; the message is the reason."""
+
+
+@tvm.transform.module_pass(opt_level=0, name="UseOneDNNConv")
+class UseOneDNNConv:
+    """Replace conv layers by calls into the oneDNN tactic library (see module doc).
+
+    ``params`` gives the values of ``main``'s weight parameters (clip bounds may be
+    parameters of an unbound module); ``only`` restricts the layers that may use oneDNN
+    (names as in ``pass.layers``), None allows all.
+    """
+
+    def __init__(self, *, params: Optional[Mapping[str, Any]] = None, only: Optional[set] = None) -> None:
+        self.params = dict(params or {})
+        self.only = only
+        self.layers: list[LayerChoice] = []
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        onednn.load()  # the kernel query needs the library in this process
+        self.layers = []
+        mod = mod.clone()
+        for gv, func in relax_functions(mod):
+            if is_primitive(func):
+                continue
+            mod[gv] = _Rewriter(mod, self).visit_expr(func)
+        mod = relax.transform.DeadCodeElimination()(mod)
+        used = sum(c.tactic == "onednn" for c in self.layers)
+        log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
+        return mod
+
+    # ------------------------------------------------------------------ one layer
+    def choose(self, name: str, ep: _Epilogue, out_shape) -> Optional[tuple[str, list]]:
+        """(function name, extra call arguments) when oneDNN takes the layer, else None."""
+        x_shape, w_shape = static_shape(ep.data), static_shape(ep.weight)
+        shape = f"x{list(x_shape) if x_shape else '?'} w{list(w_shape) if w_shape else '?'}"
+        try:
+            if self.only is not None and name not in self.only:
+                raise Refused("not selected for oneDNN")
+            attrs = self._attrs(ep, x_shape, w_shape, out_shape)
+            kernel = onednn.implementation(
+                x_shape, w_shape, attrs, residual=ep.residual is not None, alpha=ep.alpha, beta=ep.beta
+            )
+            if kernel.startswith(("ref", "unsupported")):
+                raise Refused(f"oneDNN has only a reference kernel for it ({kernel})")
+        except Refused as r:
+            self.layers.append(LayerChoice(name, "tvm", reason=str(r), shape=shape))
+            return None
+        self.layers.append(LayerChoice(name, "onednn", kernel=kernel, shape=shape))
+        func = onednn.FUNCTIONS["conv2d_add" if ep.residual is not None else "conv2d"]
+        return func, attrs
+
+    def _attrs(self, ep: _Epilogue, x_shape, w_shape, out_shape) -> list[int]:
+        reason = conv2d_layout_reason(ep.conv)
+        if reason:
+            raise Refused(reason)
+        if dtype_of(ep.data) != "float32" or dtype_of(ep.weight) != "float32":
+            raise Refused(f"conv computes in {dtype_of(ep.data)}; the oneDNN tactic takes float32")
+        if x_shape is None or w_shape is None or out_shape is None or len(x_shape) != 4:
+            raise Refused("shapes are not static 4-d")
+        a = ep.conv.attrs
+        strides = [int(s) for s in a.strides]
+        padding = [int(p) for p in a.padding]  # top, left, bottom, right
+        if len(padding) == 2:
+            padding = padding * 2
+        dilation = [int(d) for d in a.dilation]
+        return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act]]
+
+    def constant(self, expr: relax.Expr, caller_args: Mapping) -> float:
+        """The value of a scalar clip bound (a constant, or a weight parameter's value)."""
+        expr = caller_args.get(expr, expr)
+        if isinstance(expr, tvm.ir.expr.Constant):  # a tensor constant, or a PrimValue
+            value = np.asarray(expr.value.numpy() if hasattr(expr.value, "numpy") else float(expr.value))
+        elif isinstance(expr, relax.Var) and expr.name in self.params:
+            value = np.asarray(self.params[expr.name])
+        else:
+            raise Refused("a clip bound is not a compile-time value")
+        if value.size != 1:
+            raise Refused("a clip bound is not a scalar")
+        return float(value.reshape(()))
+
+
+def _op(value) -> str:
+    return getattr(getattr(value, "op", None), "name", "") if isinstance(value, relax.Call) else ""
+
+
+def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue:
+    """The conv epilogue of a ``layerfuse_conv2d_*`` function, its operands as caller expressions."""
+    arg_of = dict(zip(func.params, args))
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    ep: Optional[_Epilogue] = None
+    chain = None
+    for b in bindings:
+        v = b.value
+        op = _op(v)
+        if op == "relax.nn.conv2d":
+            ep = _Epilogue(conv=v, data=arg_of.get(v.args[0], v.args[0]), weight=arg_of.get(v.args[1], v.args[1]))
+            chain = b.var
+            continue
+        if ep is None or not isinstance(v, relax.Call) or not any(a.same_as(chain) for a in v.args):
+            raise Refused(f"the group computes {op or type(v).__name__} outside the conv chain")
+        others = [a for a in v.args if not a.same_as(chain)]
+        if op == "relax.add" and ep.bias is None and ep.residual is None and ep.act is None and _is_bias(others[0], ep):
+            ep.bias = arg_of.get(others[0], others[0])
+        elif op == "relax.add" and ep.residual is None and ep.act is None:
+            ep.residual = arg_of.get(others[0], others[0])
+        elif op == "relax.nn.relu" and ep.act is None:
+            ep.act = "relu"
+        elif op == "relax.nn.leakyrelu" and ep.act is None:
+            ep.act, ep.alpha = "leakyrelu", float(v.attrs.alpha)
+        elif op == "relax.nn.silu" and ep.act is None:
+            ep.act = "silu"
+        elif op == "relax.sigmoid" and ep.act is None:
+            continue  # sigmoid(z), read by the multiply of silu below; z stays the chain
+        elif op == "relax.multiply" and ep.act is None and _op(_value(func, others[0])) == "relax.sigmoid":
+            ep.act = "silu"
+        elif op in ("relax.maximum", "relax.minimum", "relax.clip") and ep.act in (None, "clip"):
+            if ep.act is None:
+                ep.act, ep.alpha, ep.beta = "clip", float(np.finfo(np.float32).min), float(np.finfo(np.float32).max)
+            if op == "relax.clip":
+                ep.alpha, ep.beta = chooser.constant(v.args[1], {}), chooser.constant(v.args[2], {})
+            elif op == "relax.maximum":
+                ep.alpha = chooser.constant(others[0], arg_of)
+            else:
+                ep.beta = chooser.constant(others[0], arg_of)
+        else:
+            raise Refused(f"oneDNN has no post-op for {op} here")
+        chain = b.var
+    if ep is None:
+        raise Refused("no conv2d in the group")
+    return ep
+
+
+def _value(func: relax.Function, var) -> Optional[relax.Expr]:
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if b.var.same_as(var):
+                return b.value
+    return None
+
+
+def _is_bias(expr, ep: _Epilogue) -> bool:
+    """A per-output-channel operand: shape [1, O, 1, 1] or [O, 1, 1] (compile-time by the fusion)."""
+    shape, w = static_shape(expr), static_shape(ep.weight)
+    if shape is None or w is None:
+        return False
+    return tuple(shape) in ((1, w[0], 1, 1), (w[0], 1, 1))
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, chooser: UseOneDNNConv) -> None:
+        super().__init__(mod)
+        self.mod_ = mod
+        self.chooser = chooser
+        self.bare = 0  # bare conv2d calls seen, for their names
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new = None
+        if isinstance(call.op, relax.GlobalVar):
+            callee = self.mod_[call.op]
+            attrs = callee.attrs
+            if attrs is not None and str(attrs.get("Composite", "")).startswith(PREFIX):
+                new = self._replace(call.op.name_hint, call, lambda: parse_group(callee, call.args, self.chooser))
+        elif _op(call) == "relax.nn.conv2d":
+            self.bare += 1
+            name = f"conv2d_{self.bare - 1}" if self.bare > 1 else "conv2d"
+            new = self._replace(name, call, lambda: _Epilogue(conv=call, data=call.args[0], weight=call.args[1]))
+        return super().visit_call_(call) if new is None else new
+
+    def _replace(self, name: str, call: relax.Call, parse) -> Optional[relax.Expr]:
+        out_shape = static_shape(call)
+        try:
+            ep = parse()
+        except Refused as r:
+            self.chooser.layers.append(LayerChoice(name, "tvm", reason=str(r)))
+            return None
+        chosen = self.chooser.choose(name, ep, out_shape)
+        if chosen is None:
+            return None
+        func, attrs = chosen
+        o = static_shape(ep.weight)[0]
+        if ep.bias is not None:
+            bias = relax.op.reshape(self.visit_expr(ep.bias), [o])
+        else:
+            bias = relax.const(np.zeros([o], "float32"))
+        args = [self.visit_expr(ep.data), self.visit_expr(ep.weight), bias]
+        if ep.residual is not None:
+            args.append(self.visit_expr(ep.residual))
+        args += [
+            relax.ShapeExpr(attrs),
+            relax.prim_value(float(ep.alpha)),
+            relax.prim_value(float(ep.beta)),
+        ]
+        return relax.call_dps_packed(func, args, relax.TensorType(list(out_shape), "float32"))
