@@ -48,8 +48,12 @@ def compile_model(
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     force: bool = False,
     progress: bool = True,
+    tactics: str = "auto",
 ) -> Path:
-    """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``."""
+    """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``.
+
+    ``tactics``: ``auto`` | ``onednn`` | ``tvm``, which implementation runs the conv layers
+    (see :mod:`tvm_layerfuse.compile.tactics`)."""
     spec = resolve(target, arch=arch)
     check_toolchain(spec)
     from tqdm import tqdm
@@ -71,6 +75,9 @@ def compile_model(
             p = make_plan(model, input_shapes=input_shapes)
         with step("import and fuse"):
             mod, params, report = relax_module(model, plan=p, fuse=fuse, input_shapes=input_shapes)
+            from .compile.tactics import apply_tactics
+
+            mod, tactic_plan = apply_tactics(mod, params, spec, tactics=tactics)
         with step("fold weights"):
             mod, weights = lift_weights(mod, params)
             mod = safe_param_names(mod)
@@ -87,8 +94,14 @@ def compile_model(
 
             def fill(tmp: Path) -> dict[str, Any]:
                 shutil.copyfile(library, tmp / artifact.LIBRARY)
+                if tactic_plan.library is not None:  # the tactic library travels with the model
+                    from .compile.tactics.onednn import LIBRARY_FILE
+
+                    shutil.copyfile(tactic_plan.library, tmp / LIBRARY_FILE)
                 np.savez(tmp / artifact.PARAMS, **dict(zip(names, weights)))
-                return _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
+                manifest = _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
+                manifest["tactics"] = tactic_plan.manifest()
+                return manifest
 
             artifact.write_artifact(Path(out), fill, overwrite=force)
     log.info("compiled %s for %s in %s", p.model, spec.preset, timings)

@@ -122,12 +122,17 @@ def cmd_compile(args: argparse.Namespace) -> int:
         input_shapes=parse_input_shapes(args.input_shape),
         force=args.force,
         progress=not args.quiet and sys.stderr.isatty(),
+        tactics=args.tactics,
     )
     _say(args, f"wrote artifact {out}")
     if not args.quiet:
         from .artifact import read_manifest
 
-        fusion = read_manifest(out)["fusion"]
+        manifest = read_manifest(out)
+        fusion = manifest["fusion"]
+        tactics = manifest.get("tactics") or {}
+        if tactics.get("counts"):
+            print("tactics: " + ", ".join(f"{k} {v} conv layers" for k, v in sorted(tactics["counts"].items())))
         if fusion.get("plan"):
             c = fusion["plan"]
             print(
@@ -195,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="DIR", help="artifact directory (default MODEL.TARGET[.ARCH])")
     p.add_argument("--no-fuse", action="store_true", help="build with TVM's default pipeline only, for comparison")
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    p.add_argument(
+        "--tactics",
+        choices=("auto", "onednn", "tvm"),
+        default="auto",
+        help="conv implementation: oneDNN where installed (auto), oneDNN or fail, or TVM's kernels only",
+    )
     p.set_defaults(func=cmd_compile)
 
     from .runner import add_run_arguments

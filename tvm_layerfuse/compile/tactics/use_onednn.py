@@ -35,7 +35,13 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...relax._common import conv2d_layout_reason, dtype_of, is_primitive, relax_functions, static_shape
+from ...relax._common import (
+    conv2d_layout_reason,
+    dtype_of,
+    is_primitive,
+    relax_functions,
+    static_shape,
+)
 from ...relax.fuse_epilogue import PREFIX
 from . import onednn
 
