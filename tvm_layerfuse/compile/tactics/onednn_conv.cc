@@ -11,9 +11,16 @@
 //
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
 //   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
-//            dilation_w, groups, act); act: 0 none, 1 relu (alpha: negative slope, i.e.
-//   LeakyRelu), 2 clip [alpha, beta], 3 silu (x * sigmoid(x)).
+//            dilation_w, groups, act, src_blocked, dst_blocked); act: 0 none, 1 relu (alpha:
+//   negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu (x * sigmoid(x)).
 //   The BatchNorm of the layer is already folded into w and b (at compile time).
+//
+// Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
+// layers of this library, and C % 16 == 0 - oneDNN's blocked nChw16c (same size, same
+// [N, C, H, W] type for TVM, which never reads it): src_blocked / dst_blocked say which.
+// A plain src or dst is reordered to/from the layout the primitive prefers (blocked, where
+// oneDNN's JIT kernels run with their post-ops fused) in buffers kept with the layer; a
+// blocked one is used in place, so consecutive convs run with no reorder between them.
 //
 // A primitive is created once per (shapes, attributes, weight tensor) and kept; its weights
 // are reordered once into the layout the primitive prefers (blocked, e.g. OIhw16i16o) when
@@ -54,10 +61,10 @@ using dt = dnnl::memory::data_type;
 constexpr int kFingerprint = 16;  // sampled weight values compared per call
 
 struct Attrs {
-  int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act;
+  int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_blocked, dst_blocked;
   static Attrs From(const Shape& a) {
-    if (a.size() != 10) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 10 entries, got " << a.size();
-    return Attrs{{a[0], a[1]}, {a[2], a[3]}, {a[4], a[5]}, {a[6], a[7]}, a[8], a[9]};
+    if (a.size() != 12) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 12 entries, got " << a.size();
+    return Attrs{{a[0], a[1]}, {a[2], a[3]}, {a[4], a[5]}, {a[6], a[7]}, a[8], a[9], a[10], a[11]};
   }
 };
 
@@ -77,8 +84,8 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
   };
   const int64_t OH = out_size(H, kh, 0), OW = out_size(W, kw, 1);
   if (C != w[1] * G || O % G != 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv shapes do not agree";
-  dnnl::memory::desc src({N, C, H, W}, dt::f32, tag::nchw);
-  dnnl::memory::desc dst({N, O, OH, OW}, dt::f32, tag::nchw);
+  dnnl::memory::desc src({N, C, H, W}, dt::f32, at.src_blocked ? tag::nChw16c : tag::any);
+  dnnl::memory::desc dst({N, O, OH, OW}, dt::f32, at.dst_blocked ? tag::nChw16c : tag::any);
   dnnl::memory::desc bias({O}, dt::f32, tag::x);
   dims wdims = G == 1 ? dims{O, C, kh, kw} : dims{G, O / G, C / G, kh, kw};
   dnnl::memory::desc wei(wdims, dt::f32, tag::any);
@@ -107,6 +114,11 @@ struct Layer {
   dnnl::convolution_forward prim;
   dnnl::memory weights;  // in pd.weights_desc(), owned
   std::vector<float> fingerprint;
+  // plain NCHW <-> the primitive's layout, for a src/dst that is plain in the graph
+  dnnl::memory::desc src_plain, dst_plain;
+  bool src_reorder = false, dst_reorder = false;
+  dnnl::memory src_buf, dst_buf;  // owned, in pd.src_desc() / pd.dst_desc()
+  dnnl::reorder src_in, dst_in, dst_out;
 };
 
 std::vector<float> Fingerprint(const float* w, int64_t n) {
@@ -154,6 +166,21 @@ Layer& Get(const TensorView& x, const TensorView& w, const Attrs& at, const Shap
   dnnl::reorder(src, layer->weights).execute(s, src, layer->weights);
   s.wait();
   layer->fingerprint = Fingerprint(wdata, wn);
+  // plain activations: reorders into and out of the primitive's layout, buffers kept
+  const dnnl::memory::desc src_md = layer->pd.src_desc(), dst_md = layer->pd.dst_desc();
+  layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
+  layer->dst_plain = dnnl::memory::desc(dst_md.dims(), dt::f32, tag::nchw);
+  layer->src_reorder = !at.src_blocked && src_md != layer->src_plain;
+  layer->dst_reorder = !at.dst_blocked && dst_md != layer->dst_plain;
+  if (layer->src_reorder) {
+    layer->src_buf = dnnl::memory(src_md, Engine());
+    layer->src_in = dnnl::reorder(dnnl::memory(layer->src_plain, Engine(), nullptr), layer->src_buf);
+  }
+  if (layer->dst_reorder) {
+    layer->dst_buf = dnnl::memory(dst_md, Engine());
+    layer->dst_in = dnnl::reorder(dnnl::memory(layer->dst_plain, Engine(), nullptr), layer->dst_buf);
+    layer->dst_out = dnnl::reorder(layer->dst_buf, dnnl::memory(layer->dst_plain, Engine(), nullptr));
+  }
   Layer& ref = *layer;
   layers[key.str()] = std::move(layer);
   return ref;
@@ -176,15 +203,34 @@ void Run(TensorView x, TensorView w, TensorView b, const TensorView* r, Shape at
     }
     if (b.shape()[0] != out.shape()[1]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
     float* dst_ptr = const_cast<float*>(Data(out));
-    if (r && Data(*r) != dst_ptr) std::memcpy(dst_ptr, Data(*r), sizeof(float) * out.numel());
-    dnnl::memory src(layer.pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
-    dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(Data(b)));
-    dnnl::memory dst(layer.pd.dst_desc(), Engine(), dst_ptr);
     dnnl::stream s(Engine());
+    dnnl::memory src, dst;
+    if (layer.src_reorder) {
+      dnnl::memory user(layer.src_plain, Engine(), const_cast<float*>(Data(x)));
+      layer.src_in.execute(s, user, layer.src_buf);
+      src = layer.src_buf;
+    } else {
+      src = dnnl::memory(layer.pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
+    }
+    if (layer.dst_reorder) {
+      dst = layer.dst_buf;
+      if (r) {  // the residual, in the primitive's layout, for the sum post-op
+        dnnl::memory user(layer.dst_plain, Engine(), const_cast<float*>(Data(*r)));
+        layer.dst_in.execute(s, user, dst);
+      }
+    } else {
+      dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
+      if (r && Data(*r) != dst_ptr) std::memcpy(dst_ptr, Data(*r), sizeof(float) * out.numel());
+    }
+    dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(Data(b)));
     layer.prim.execute(s, {{DNNL_ARG_SRC, src},
                            {DNNL_ARG_WEIGHTS, layer.weights},
                            {DNNL_ARG_BIAS, bias},
                            {DNNL_ARG_DST, dst}});
+    if (layer.dst_reorder) {
+      dnnl::memory user(layer.dst_plain, Engine(), dst_ptr);
+      layer.dst_out.execute(s, dst, user);
+    }
     s.wait();
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();

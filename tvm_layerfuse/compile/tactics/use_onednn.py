@@ -142,7 +142,7 @@ class UseOneDNNConv:
         if len(padding) == 2:
             padding = padding * 2
         dilation = [int(d) for d in a.dilation]
-        return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act]]
+        return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act], 0, 0]
 
     def constant(self, expr: relax.Expr, caller_args: Mapping) -> float:
         """The value of a scalar clip bound (a constant, or a weight parameter's value)."""
