@@ -74,6 +74,17 @@ def test_zoo_nets_match_onnxruntime(builder, kind):
     assert err <= RTOL
     assert sum(c.tactic == "onednn" for c in layers) >= 10
     assert any(kind in c.layer for c in layers if c.tactic == "onednn")
+    assert not any(c.kernel.startswith("ref") for c in layers)
+
+
+@needs_onednn
+def test_tensors_between_onednn_layers_stay_blocked():
+    """ResNet bottlenecks: conv -> conv edges (and residuals) in nChw16c, no reorder between."""
+    err, layers = _run_with_tactic(zoo.resnet50(seed=8, width=0.25))
+    assert err <= RTOL
+    layouts = Counter(c.layout for c in layers if c.tactic == "onednn")
+    assert layouts["nChw16c>nChw16c"] >= 8, layouts
+    assert all(c.kernel.startswith(("jit", "brg")) for c in layers if "nChw16c" in c.layout)
 
 
 @needs_onednn

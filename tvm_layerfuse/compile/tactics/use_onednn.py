@@ -18,6 +18,13 @@ and ``act``: 0 none, 1 relu (``alpha``: LeakyRelu's slope), 2 clip [``alpha``, `
 3 silu. A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend on
 weights only, so ``LiftTransformParams`` computes them at compile time.
 
+Layout (``attrs[10:12]``: src / dst blocked): a tensor whose producer and every reader are
+oneDNN layers (as input or residual), with ``C % 16 == 0``, holds oneDNN's blocked
+``nChw16c`` bytes instead of NCHW (same size and Relax type; no TVM kernel reads it), so
+consecutive convs run with no reorder between them. A residual and the output of the layer
+that adds it share a layout (fixed point: a conflict makes both plain). Plain tensors are
+reordered in and out of the primitive's layout inside the library.
+
 The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
 bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_info_str`` not
@@ -59,6 +66,7 @@ class LayerChoice:
     kernel: str = ""  # oneDNN's implementation name when "onednn"
     reason: str = ""  # why not oneDNN, when "tvm"
     shape: str = ""  # "x[1,64,56,56] w[64,64,3,3]"
+    layout: str = ""  # "nchw>nChw16c": the src and dst bytes in the graph, when "onednn"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +111,9 @@ class UseOneDNNConv:
                 continue
             mod[gv] = _Rewriter(mod, self).visit_expr(func)
         mod = relax.transform.DeadCodeElimination()(mod)
+        for gv, func in relax_functions(mod):
+            if not is_primitive(func):
+                mod[gv] = assign_layouts(func, self.layers)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
         return mod
@@ -271,3 +282,107 @@ class _Rewriter(relax.PyExprMutator):
             relax.prim_value(float(ep.beta)),
         ]
         return relax.call_dps_packed(func, args, relax.TensorType(list(out_shape), "float32"))
+
+
+# ---------------------------------------------------------------------- layouts
+_DPS = tvm.ir.Op.get("relax.call_dps_packed")
+BLOCK = 16  # nChw16c
+
+
+def _onednn_call(value) -> Optional[tuple[str, list]]:
+    """(function name, argument list) of a call into the oneDNN tactic library."""
+    if not isinstance(value, relax.Call) or not value.op.same_as(_DPS):
+        return None
+    name = str(getattr(value.args[0], "global_symbol", ""))
+    if name not in onednn.FUNCTIONS.values():
+        return None
+    return name, list(value.args[1].fields)
+
+
+def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
+    """Mark the tensors passed only between oneDNN layers as blocked (see module doc)."""
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    calls = {}  # var -> (name, args)
+    readers: dict = {}  # var -> list of (reader var or None for a TVM op / the output, role)
+    for b in bindings:
+        found = _onednn_call(b.value)
+        if found is not None:
+            calls[b.var] = found
+            name, args = found
+            for k, a in enumerate(args):
+                if isinstance(a, relax.Var):
+                    role = "data" if k == 0 else ("residual" if name.endswith("_add") and k == 3 else "other")
+                    readers.setdefault(a, []).append((b.var, role))
+            continue
+        for v in relax.analysis.free_vars(b.value):
+            readers.setdefault(v, []).append((None, "tvm"))
+    for v in relax.analysis.free_vars(func.body.body):
+        readers.setdefault(v, []).append((None, "output"))
+
+    def can_block(var) -> bool:
+        shape = static_shape(var)
+        users = readers.get(var, [])
+        return (
+            isinstance(var, relax.DataflowVar)
+            and shape is not None
+            and len(shape) == 4
+            and shape[1] % BLOCK == 0
+            and bool(users)
+            and all(r is not None and role in ("data", "residual") for r, role in users)
+        )
+
+    blocked = {v for v in calls if can_block(v)}
+    changed = True
+    while changed:  # a residual and the output it is added to share one layout
+        changed = False
+        for v, (name, args) in calls.items():
+            if name.endswith("_add") and isinstance(args[3], relax.Var):
+                r = args[3]
+                if (r in blocked) != (v in blocked):
+                    blocked.discard(r)
+                    blocked.discard(v)
+                    changed = True
+    by_var = {}
+    for v, (name, args) in calls.items():
+        src = isinstance(args[0], relax.Var) and args[0] in blocked
+        by_var[v] = (src, v in blocked)
+    _record_layouts(layers, calls, by_var)
+    by_call = {b.value: by_var[b.var] for b in bindings if b.var in by_var and any(by_var[b.var])}
+    return _SetLayouts(by_call).visit_expr(func) if by_call else func
+
+
+def _record_layouts(layers: list, calls: dict, by_var: dict) -> None:
+    """Tell each oneDNN LayerChoice (in call order) which layout its src and dst have."""
+    chosen = [c for c in layers if c.tactic == "onednn"]
+    for c, (v, (name, args)) in zip(chosen, calls.items()):
+        src, dst = by_var.get(v, (False, False))
+        c.layout = f"{'nChw16c' if src else 'nchw'}>{'nChw16c' if dst else 'nchw'}"
+        if src or dst:  # the kernel oneDNN picks for these layouts
+            attrs = [int(x) for x in args[-3].values]
+            attrs[10], attrs[11] = int(src), int(dst)
+            c.kernel = onednn.implementation(
+                static_shape(args[0]),
+                static_shape(args[1]),
+                attrs,
+                residual=name.endswith("_add"),
+                alpha=float(args[-2].value),
+                beta=float(args[-1].value),
+            )
+
+
+@relax.expr_functor.mutator
+class _SetLayouts(relax.PyExprMutator):
+    def __init__(self, by_call: dict) -> None:
+        super().__init__()
+        self.by_call = by_call
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        flags = self.by_call.get(call)
+        if flags is None:
+            return super().visit_call_(call)
+        args = list(call.args[1].fields)
+        attrs = [int(x) for x in args[-3].values]
+        attrs[10], attrs[11] = int(flags[0]), int(flags[1])
+        args[-3] = relax.ShapeExpr(attrs)
+        args = [self.visit_expr(a) for a in args]
+        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
