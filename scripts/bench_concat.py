@@ -129,7 +129,10 @@ def main(argv=None) -> int:
     )
     ours, base = concat_report(sides["layerfuse"][0]), concat_report(sides["default"][0])
     print(format_concat_report(ours, base))
-    print(f"kernels per inference: {ours['kernels']} vs {base['kernels']} (split kernels {ours['split_kernels']} vs {base['split_kernels']})")
+    print(
+        f"kernels per inference: {ours['kernels']} vs {base['kernels']} "
+        f"(split kernels {ours['split_kernels']} vs {base['split_kernels']})"
+    )
     return 0
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from tvm_layerfuse.build import compile_model
+from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.models import default_model
 from tvm_layerfuse.runtime import load
 

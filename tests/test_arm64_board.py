@@ -12,8 +12,9 @@ import numpy as np
 import onnx
 import pytest
 
-from tvm_layerfuse import board, rpc
-from tvm_layerfuse.build import compile_model
+from tvm_layerfuse import deploy as rpc
+from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.deploy import board
 from tvm_layerfuse.testing import zoo
 from tvm_layerfuse.testing.checks import run_onnxruntime
 

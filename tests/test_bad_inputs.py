@@ -29,8 +29,8 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-import re
 import os
+import re
 import resource
 import shutil
 import signal
@@ -382,9 +382,24 @@ def test_file_size_limit_while_writing_the_artifact(tmp_path):
     nothing_written(out)
 
 
+def _wait_until_mapped(proc: subprocess.Popen, library: str) -> None:
+    """Wait (on the child's own progress, not a clock) until ``library`` is loaded in it."""
+    maps = Path(f"/proc/{proc.pid}/maps")
+    while proc.poll() is None:
+        try:
+            if library in maps.read_text():
+                return
+        except OSError:  # it exited between the poll and the read
+            return
+        time.sleep(0.01)
+
+
 def test_interrupted_compile_leaves_nothing_at_any_point(good_model, tmp_path):
-    """Ctrl-C (SIGINT) at several points of a compile: either the artifact is complete or
-    nothing is there (test_build_runtime interrupts a long GoogLeNet compile once)."""
+    """Ctrl-C (SIGINT) at several points of a compile: either the artifact is complete and
+    verified and the exit status is 0 (the interrupt came once it was in place), or nothing is
+    there, the one error line and status 130 - nothing else (test_build_runtime interrupts a
+    long GoogLeNet compile once). Each interrupt is sent once the command runs our code (onnx's
+    library is mapped: the plan step); before that, Python's own start-up handles it."""
 
     def compile_and_interrupt(delay: float):
         out = tmp_path / f"out_{int(delay * 10)}"
@@ -392,27 +407,64 @@ def test_interrupted_compile_leaves_nothing_at_any_point(good_model, tmp_path):
             [sys.executable, "-m", "tvm_layerfuse", "compile", str(good_model), "-o", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        time.sleep(delay)
+        _wait_until_mapped(proc, "onnx_cpp2py_export")
+        time.sleep(delay)  # a point later in the compile; every point must give one of the two outcomes
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
         return out, proc.returncode, err
 
-    results = list(run_all({d: (lambda d=d: compile_and_interrupt(d)) for d in (1.0, 2.0, 3.0, 4.0)}).values())
+    from tvm_layerfuse.runtime.artifact import verify
+
+    results = list(run_all({d: (lambda d=d: compile_and_interrupt(d)) for d in (0.0, 1.0, 2.0, 3.0)}).values())
     interrupted = 0
     for out, rc, err in results:
         assert "Traceback" not in err, err
+        # TVM's C++ side may log its own line while unwinding ("[hh:mm:ss] ... BlockBuilder
+        # destroyed with remaining blocks!"); ours must be the one error line.
+        ours = [line for line in err.strip().splitlines() if not re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
         if rc == 130:
             interrupted += 1
-            # TVM's C++ side may log its own line while unwinding ("[hh:mm:ss] ... BlockBuilder
-            # destroyed with remaining blocks!"); ours must be the one error line.
-            ours = [line for line in err.strip().splitlines() if not re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
             assert ours == ["error: interrupted; nothing was written"], err
             nothing_written(out)
         else:
-            assert rc == 0, err
-            assert set(json.loads((out / "manifest.json").read_text())["files"]) == {"model.so", "params.npz"}
-    assert interrupted >= 1
+            assert rc == 0, (rc, err)
+            assert ours[-1:] == [f"wrote artifact {out}"], err
+            assert set(verify(out)["files"]) == {"model.so", "params.npz"}
+    assert interrupted >= 1  # the first comes right after the plan starts, long before the build ends
     record("Ctrl-C during compile", "compile good.onnx (SIGINT)", "error: interrupted; nothing was written")
+
+
+def test_interrupt_during_the_artifact_rename_is_held(tmp_path):
+    """SIGINT before the artifact's rename: nothing is written; during it: the artifact is
+    complete and the interrupt is delivered after ``on_commit``, to the handler then in place."""
+    from tvm_layerfuse.runtime.artifact import write_artifact
+
+    def fill(tmp: Path, *, interrupt: bool) -> dict:
+        (tmp / "model.so").write_bytes(b"x")
+        if interrupt:
+            signal.raise_signal(signal.SIGINT)
+        return {"format": "tvm_layerfuse.artifact"}
+
+    before = tmp_path / "before"
+    with pytest.raises(KeyboardInterrupt):
+        write_artifact(before, lambda t: fill(t, interrupt=True))
+    nothing_written(before)
+
+    seen = []
+    during = tmp_path / "during"
+
+    def on_commit():
+        signal.raise_signal(signal.SIGINT)  # held: the artifact is already in place
+        seen.append(during.exists())
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the command is done: ignore it from now on
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        write_artifact(during, lambda t: fill(t, interrupt=False), on_commit=on_commit)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [True]
+    assert set(json.loads((during / "manifest.json").read_text())["files"]) == {"model.so"}
 
 
 # ---------------------------------------------------------------------- artifacts

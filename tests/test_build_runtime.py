@@ -15,10 +15,9 @@ import onnx
 import pytest
 
 from graphs import rel_err, run_ort
-from tvm_layerfuse import artifact
-from tvm_layerfuse.build import compile_model
+from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError
-from tvm_layerfuse.runtime import load
+from tvm_layerfuse.runtime import artifact, load
 from tvm_layerfuse.testing import zoo
 
 RTOL = 1e-4
@@ -55,7 +54,8 @@ def test_manifest_describes_the_artifact(cpu_artifacts):
     assert m["target"]["preset"] == "cpu" and m["target"]["machine"] == "x86_64"
     assert m["inputs"] == [{"name": "input", "shape": [1, 3, 32, 32], "dtype": "float32"}]
     assert m["outputs"][0]["name"] == "output"
-    assert set(m["files"]) == {"model.so", "params.npz"}
+    carried = {lib["file"] for lib in m["tactics"]["libraries"]}  # the oneDNN tactic library, where used
+    assert set(m["files"]) == {"model.so", "params.npz"} | carried
     for name, digest in m["files"].items():
         assert artifact.sha256_file(fused / name) == digest
     assert m["fusion"]["plan"]["concat_in_place"] == 8 and m["fused"] is True
@@ -77,7 +77,7 @@ def test_fused_and_unfused_match_onnxruntime(cpu_artifacts, model_path):
 
 def test_runtime_only_in_a_bundle(cpu_artifacts, model_path, tmp_path):
     """The bundle carries TVM without its compiler library; run it in a fresh process."""
-    from tvm_layerfuse.bundle import make_bundle, size_of
+    from tvm_layerfuse.deploy.bundle import make_bundle, size_of
 
     bundle = make_bundle(cpu_artifacts[0], tmp_path / "bundle")
     assert not (bundle / "site" / "tvm" / "lib" / "libtvm_compiler.so").exists()
@@ -115,7 +115,7 @@ def test_aarch64_artifact_is_an_arm_elf(model_path, tmp_path):
 
 
 def test_cuda_artifact_embeds_sm90_device_code(model_path, tmp_path):
-    from tvm_layerfuse.cuda import device_code, extract_fatbins
+    from tvm_layerfuse.compile.cuda import device_code, extract_fatbins
 
     out = compile_model(model_path, tmp_path / "cuda", target="cuda", arch="sm_90", progress=False)
     images = device_code(out / "model.so")
@@ -199,6 +199,36 @@ def test_cli_compile_run_and_errors(model_path, tmp_path):
     (tmp_path / "bad.npy").write_bytes(b"not numpy")
     p = cli("run", str(out), "--input", str(tmp_path / "bad.npy"))
     assert p.returncode == 2 and "not a readable .npy" in p.stderr
+
+
+def test_run_output_of_a_model_whose_output_is_named_file(tmp_path):
+    """``np.savez(path, **outputs)`` breaks on an output called ``file`` (its own argument);
+    ``run --output`` writes every output under its own name."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["file"])],
+        "file_output",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("file", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "file_output.onnx"
+    onnx.save(model, str(path))
+    out = tmp_path / "a"
+    assert cli("compile", str(path), "-o", str(out), "-q").returncode == 0
+    x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    p = cli("run", str(out), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz"))
+    assert p.returncode == 0, p.stderr
+    with np.load(tmp_path / "y.npz", allow_pickle=False) as y:
+        assert y.files == ["file"]
+        (expected,) = run_ort(model, {"x": x})
+        assert expected.max() > 0 and (expected == 0).any()  # live weights: the Relu cuts
+        assert rel_err(expected, y["file"]) <= RTOL
 
 
 def test_failed_or_interrupted_compile_leaves_nothing(model_path, tmp_path):

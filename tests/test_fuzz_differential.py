@@ -10,10 +10,12 @@ derandomized) goes through :func:`tvm_layerfuse.testing.differential.check_case`
   ``max|a-b| / max(max|a|, M/10) <= 1e-4`` with ``M`` the largest magnitude among the
   output's ancestors (the near-zero rule; see the differential module).
 
-Budget (measured on the 2-core CI machine): the plan/realisation property runs 300 graphs
-in ~15 s; the TVM property compiles each graph twice (~0.6-1 s per graph), so it runs 120
-small graphs in ~2 minutes. ``-m slow`` adds 600 larger graphs (~12 minutes).
-``python scripts/fuzz.py`` runs thousands in parallel workers.
+Budget (measured on the 2-core machine, idle): the plan/realisation property runs 300
+graphs in ~3 s; the TVM properties compile each graph three times (unfused, fused with
+TVM's default pipeline, fused with the lowering that ``compile`` uses; ~0.8 s per graph):
+90 general graphs in ~75 s and 50 branchy ones in ~60 s, ~2.3 minutes for the file.
+``-m slow`` adds 600 larger graphs (tens of minutes). ``python scripts/fuzz.py`` runs thousands
+in parallel workers (~75-90 graphs per minute with two).
 
 At the end: regression tests for the bugs the fuzzing found, each with its reduced
 reproducer written out by hand.

@@ -22,7 +22,8 @@ from onnx import helper, numpy_helper
 
 from tvm_layerfuse.planner import plan
 from tvm_layerfuse.testing import random_inputs
-from tvm_layerfuse.testing.checks import plan_violations, run_onnxruntime as run_ort
+from tvm_layerfuse.testing.checks import plan_violations
+from tvm_layerfuse.testing.checks import run_onnxruntime as run_ort
 from tvm_layerfuse.testing.graphgen import CNNCase, cnn_graphs, random_cnn, random_cnn_case
 
 

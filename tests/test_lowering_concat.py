@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import tvm
-from graphs import RTOL, Net, feeds_for, rel_err, run_ort
 from tvm import relax
 from tvm.script import tirx as T
 
+from graphs import RTOL, Net, feeds_for, rel_err, run_ort
 from tvm_layerfuse.errors import UsageError
 from tvm_layerfuse.lowering import (
     _tir,
@@ -324,7 +324,7 @@ def test_cuda_build_keeps_dlight_and_makes_concat_free():
     tgt = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
     mod = fuse(densenet_like())
     pipe = layerfuse_pipeline(tgt)
-    from tvm_layerfuse.cuda import nvcc_fatbin
+    from tvm_layerfuse.compile.cuda import nvcc_fatbin
 
     with nvcc_fatbin("sm_90"), tgt:  # device code through nvcc, whatever other tests loaded before
         ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe)

@@ -13,18 +13,17 @@ import time
 
 import numpy as np
 import onnx
-
 import pytest
 import tvm
-from graphs import RTOL, Net, compile_and_compare, feeds_for, rel_err, run_ort
 from tvm.script import ir as I
 from tvm.script import relax as R
 
+from graphs import RTOL, Net, compile_and_compare, feeds_for, rel_err, run_ort
 from tvm_layerfuse.relax import FuseConv2DEpilogue
 from tvm_layerfuse.relax.fuse_epilogue import EpilogueSpec
 from tvm_layerfuse.relax.pipeline import build, count_kernels, fuse_with_report, run, unfused
-from tvm_layerfuse.testing.zoo import light_models
 from tvm_layerfuse.testing.weights import random_weights
+from tvm_layerfuse.testing.zoo import light_models
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 

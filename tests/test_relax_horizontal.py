@@ -14,20 +14,19 @@ import warnings
 
 import numpy as np
 import onnx
-
 import pytest
 import tvm
 import tvm.relax.frontend.onnx  # noqa: F401  (registers the importer)
-from graphs import RTOL, Net, feeds_for, rel_err, run_ort
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
+from graphs import RTOL, Net, feeds_for, rel_err, run_ort
 from tvm_layerfuse.planner import FusionPlan, plan
 from tvm_layerfuse.relax.cancel_split_concat import CancelSplitConcat
 from tvm_layerfuse.relax.horizontal import MergeParallelConv2D, merge_groups_from_plan
-from tvm_layerfuse.topology.materialize import materialize_constants
 from tvm_layerfuse.testing.weights import random_weights
+from tvm_layerfuse.topology.materialize import materialize_constants
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 
@@ -119,7 +118,7 @@ class WithDeadBinding:
         w2: R.Tensor((6, 8, 1, 1), "float32"),
     ):
         with R.dataflow():
-            unused = R.sigmoid(x)
+            unused = R.sigmoid(x)  # noqa: F841 - a dead binding of the IR under test
             c1 = R.nn.conv2d(x, w1)
             c2 = R.nn.conv2d(x, w2)
             R.output(c1, c2)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from graphs import Net, compile_and_compare
 from tvm.script import ir as I
 from tvm.script import relax as R
 
+from graphs import Net, compile_and_compare
 from tvm_layerfuse.relax import FoldAffineIntoConv2D, UnsupportedOpError, import_onnx
-
 
 
 def _fold(mod: tvm.IRModule, **kw):

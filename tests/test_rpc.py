@@ -24,8 +24,10 @@ import onnx
 import pytest
 
 from graphs import Net
-from tvm_layerfuse import board, rpc, runtime
-from tvm_layerfuse.build import compile_model
+from tvm_layerfuse import deploy as rpc
+from tvm_layerfuse import runtime
+from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.deploy import board
 from tvm_layerfuse.errors import ArtifactError, InputError, UsageError
 from tvm_layerfuse.testing import zoo
 from tvm_layerfuse.testing.checks import run_onnxruntime
@@ -71,7 +73,7 @@ def own_server():
 @pytest.fixture
 def cli_main(monkeypatch):
     """``cli.main`` with the ``deploy`` command registered (a no-op once cli.py wires it in)."""
-    from tvm_layerfuse import cli
+    from tvm_layerfuse.cli import commands as cli
 
     original = cli.build_parser
 
@@ -79,7 +81,7 @@ def cli_main(monkeypatch):
         parser = original()
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         if "deploy" not in sub.choices:
-            rpc.add_deploy_parser(sub, parents=[cli._verbosity_parent()])
+            cli.add_deploy_parser(sub, parents=[cli.verbosity_parent()])
         return parser
 
     monkeypatch.setattr(cli, "build_parser", build_parser)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from graphs import Net, assert_realizes, run_ort, feeds_for, rel_err
+from graphs import Net, assert_realizes, feeds_for, rel_err, run_ort
 from tvm_layerfuse.planner import plan
 
 
@@ -44,6 +44,7 @@ def test_inception_block_merges_three_1x1(batch, bias):
 def test_split_ranges_address_each_branch_output():
     """Slicing the merged conv's output by the plan's ranges gives each branch's tensor."""
     import numpy as np
+
     from tvm_layerfuse.onnx_realize import realize
 
     n = Net(seed=5)

@@ -28,7 +28,8 @@ import pytest
 
 from tvm_layerfuse.planner import plan
 from tvm_layerfuse.testing import random_inputs, zoo
-from tvm_layerfuse.testing.checks import plan_violations, run_onnxruntime as run_ort
+from tvm_layerfuse.testing.checks import plan_violations
+from tvm_layerfuse.testing.checks import run_onnxruntime as run_ort
 
 ORT_RTOL = 1e-4
 ORT_ATOL = 1e-4

@@ -48,7 +48,7 @@ class LayerfuseBackend(Backend):
     @classmethod
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> LayerfuseRep:
         super().prepare(model, device, **kwargs)
-        from .build import compile_model
+        from .compile.build import compile_model
         from .runtime import load
 
         target = "cuda" if device.upper().startswith("CUDA") else "cpu"

@@ -1,4 +1,5 @@
-"""Human-readable views of topology graphs and fusion plans (text tables).
+"""Reports: :class:`Report`, the one shape of what a stage reports, and human-readable views
+of topology graphs and fusion plans (text tables).
 
 ``inspect`` prints three sections: the first topology graph, the plan (what merged, with
 which template, and every refused candidate with its reason), and the second topology
@@ -7,11 +8,43 @@ graph. JSON comes from ``FusionPlan.to_dict``; pictures from :mod:`tvm_layerfuse
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
-from .planner import FusionPlan
-from .templates.base import FusionGroup
-from .topology.graph import Layer, TopologyGraph
+if TYPE_CHECKING:
+    from .planner import FusionPlan
+    from .templates.base import FusionGroup
+    from .topology.graph import Layer, TopologyGraph
+
+
+class Report:
+    """Base of the reports the stages hand on (each a dataclass): a pass's report, the fuse
+    report, the lowering reports.
+
+    :meth:`to_dict` gives plain JSON data: every field, a nested report or record through its
+    own ``to_dict``, tuples as lists. ``report["field"]`` reads a field.
+    """
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(name)
+        return getattr(self, name)
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON data: reports and records (dataclasses) as dicts, tuples as lists."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, max_width: int = 60) -> str:

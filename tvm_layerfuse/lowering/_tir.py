@@ -222,7 +222,8 @@ def check_retargetable(func, buf) -> Optional[str]:
     if any(b.same_as(buf) for b in root.alloc_buffers):
         return f"{buf.name} is allocated inside the function"
     # every occurrence must be a load, a store or a block region: replace those and look again
-    probe = retarget_body(func.body, {buf: Region(new_buffer(buffer_shape(buf), buffer_dtype(buf), "probe"), (0,) * len(buffer_shape(buf)))})
+    shape = buffer_shape(buf)
+    probe = retarget_body(func.body, {buf: Region(new_buffer(shape, buffer_dtype(buf), "probe"), (0,) * len(shape))})
     if references(probe, [buf]):
         return f"{buf.name} is used other than through loads, stores and block regions (e.g. an address or an intrinsic)"
     return None

@@ -65,6 +65,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..report import Report
 from . import _tir
 from .split_outputs import plain_call_tir, rewrite_relax_functions
 
@@ -75,7 +76,7 @@ __all__ = ["InPlaceConcat", "InPlaceReport", "region_layout"]
 
 # ----------------------------------------------------------------------------- report
 @dataclass
-class InPlaceReport:
+class InPlaceReport(Report):
     """What :class:`InPlaceConcat` decided on its last run.
 
     ``concats``: one dict per concat kernel found, in binding order, with ``status`` one of
@@ -194,7 +195,10 @@ class _Block:
             return f"is a {type(x).__name__}, not a variable"
         name = x.name
         if x not in self.defs:
-            return f"{name} is a graph input or parameter (or defined outside the dataflow block); only kernel outputs can be written in place"
+            return (
+                f"{name} is a graph input or parameter (or defined outside the dataflow block); "
+                "only kernel outputs can be written in place"
+            )
         if not isinstance(x, relax.DataflowVar) or x in self.escaping:
             return f"{name} is also an output of the dataflow block and needs storage of its own"
         _, value = self.defs[x]
@@ -614,7 +618,9 @@ class _Rewriter:
         inplace = [len(kept_in) + existing.index(r) if r in self.cur else -1 for r in out_roots] + [-1] * len(kept_out)
         single = len(out_types) == 1
         if any(ix >= 0 for ix in inplace):
-            call = relax.op.call_tir_inplace(new_gv, relax.Tuple(new_args), inplace if not single else inplace[0], out_types if not single else out_types[0])
+            call = relax.op.call_tir_inplace(
+                new_gv, relax.Tuple(new_args), inplace if not single else inplace[0], out_types if not single else out_types[0]
+            )
         else:
             call = relax.op.call_tir(new_gv, relax.Tuple(new_args), out_types if not single else out_types[0])
         call = self.bb.normalize(call)

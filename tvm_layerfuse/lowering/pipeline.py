@@ -44,6 +44,7 @@ import tvm
 from tvm import relax
 
 from ..errors import UsageError
+from ..relax._ir import as_target, default_target
 from . import _tir
 from .inplace_concat import InPlaceConcat, InPlaceReport
 from .split_outputs import SplitOutputBuffers, SplitReport
@@ -85,19 +86,6 @@ def _backend(target: tvm.target.Target):
             "another GPU kind - compile with a pipeline of your own and add the layerfuse passes after FuseTIR"
         )
     return importlib.import_module(f"tvm.relax.backend.{name}.pipeline")
-
-
-def _as_target(target) -> tvm.target.Target:
-    if isinstance(target, tvm.target.Target):
-        return target
-    if isinstance(target, dict):
-        return tvm.target.Target(target)
-    if isinstance(target, str) and " " not in target:
-        return tvm.target.Target({"kind": target})
-    raise UsageError(
-        f"target {target!r} is not a target; expected a tvm.target.Target or a dict such as "
-        '{"kind": "llvm", "num-cores": 2}'
-    )
 
 
 def _stages(target: tvm.target.Target):
@@ -163,7 +151,7 @@ class LayerfusePipeline:
         nested: bool = True,
         stop_after: Optional[str] = None,
     ) -> None:
-        self.target = _as_target(target)
+        self.target = as_target(target)
         gpu = self.target.kind.name != "llvm"
         self.notes: list[str] = []
         if split_outputs and gpu:
@@ -222,7 +210,7 @@ def default_passes(target, **options) -> tvm.transform.Pass:
 def plan_memory(mod: tvm.IRModule, target, *, layerfuse: bool = True, **options) -> tvm.IRModule:
     """``mod`` through the pipeline up to and including ``StaticPlanBlockMemory`` (no code
     generation): what :func:`concat_report` reads."""
-    tgt = _as_target(target)
+    tgt = as_target(target)
     make = layerfuse_pipeline if layerfuse else default_passes
     return make(tgt, stop_after="StaticPlanBlockMemory", **options)(mod)
 
@@ -266,8 +254,6 @@ def concat_report(mod_or_ex, *, target=None, layerfuse: bool = True) -> dict[str
     mod = mod_or_ex
     if not _is_planned(mod):
         if target is None:
-            from ..relax.pipeline import default_target
-
             target = default_target()
         mod = plan_memory(mod, target, layerfuse=layerfuse)
     return _report_module(mod)

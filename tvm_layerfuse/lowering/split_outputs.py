@@ -35,6 +35,8 @@ from typing import Optional
 import tvm
 from tvm import relax
 
+from ..relax._ir import is_primitive, op_name
+from ..report import Report
 from . import _tir
 
 log = logging.getLogger(__name__)
@@ -45,30 +47,16 @@ _CALL_TIR = "relax.call_tir"
 
 
 @dataclass
-class SplitReport:
+class SplitReport(Report):
     """What :class:`SplitOutputBuffers` did on its last run."""
 
     rewritten: list[dict] = field(default_factory=list)  # {"function", "producer", "split", "parts"}
     refused: list[dict] = field(default_factory=list)  # {"function", "split", "reason"}
 
 
-def _op_name(expr) -> Optional[str]:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
-
-
-def is_primitive(func: relax.Function) -> bool:
-    attrs = func.attrs
-    if attrs is None:
-        return False
-    keys = list(attrs.keys())
-    return ("Primitive" in keys and int(attrs["Primitive"]) != 0) or "Codegen" in keys
-
-
 def plain_call_tir(expr) -> Optional[tuple[tvm.ir.GlobalVar, list]]:
     """``(gv, args)`` of ``call_tir(gv, (args...))`` with a literal argument tuple, no TIR vars."""
-    if _op_name(expr) != _CALL_TIR or len(expr.args) != 2 or not isinstance(expr.args[1], relax.Tuple):
+    if op_name(expr) != _CALL_TIR or len(expr.args) != 2 or not isinstance(expr.args[1], relax.Tuple):
         return None
     gv = expr.args[0]
     if not isinstance(gv, tvm.ir.GlobalVar):
@@ -127,7 +115,8 @@ class SplitOutputBuffers:
             return mod
         if not relax.analysis.check_well_formed(out):  # never hand on a broken module: undo everything
             for entry in self.report.rewritten:
-                self.report.refused.append({"function": entry["function"], "split": entry["split"], "reason": "internal: the rewritten module was not well formed"})
+                reason = "internal: the rewritten module was not well formed"
+                self.report.refused.append({"function": entry["function"], "split": entry["split"], "reason": reason})
             self.report.rewritten = []
             log.warning("SplitOutputBuffers: the rewritten module is not well formed; every split kept")
             return mod
@@ -246,7 +235,11 @@ def drop_unused_prim_funcs(mod: tvm.IRModule, candidates) -> tvm.IRModule:
     for _, func in mod.functions_items():
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func.body, visit)
-    dead = [gv for gv in mod.get_global_vars() if gv.name_hint not in called and any(gv.same_as(c) or gv.name_hint == c.name_hint for c in candidates)]
+    dead = [
+        gv
+        for gv in mod.get_global_vars()
+        if gv.name_hint not in called and any(gv.same_as(c) or gv.name_hint == c.name_hint for c in candidates)
+    ]
     if not dead:
         return mod
     keep = {gv: f for gv, f in mod.functions_items() if not any(gv.same_as(d) for d in dead)}

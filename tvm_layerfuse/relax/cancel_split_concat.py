@@ -26,15 +26,11 @@ from typing import Iterable, Optional
 import tvm
 from tvm import relax
 
+from ._ir import is_primitive, op_name
+
 log = logging.getLogger(__name__)
 
 __all__ = ["CancelSplitConcat", "cancel_split_concat", "remove_unused_dataflow_bindings", "with_blocks"]
-
-
-def _op_name(expr: relax.Expr) -> Optional[str]:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
 
 
 def _normal_axis(axis: int, ndim: int) -> Optional[int]:
@@ -85,7 +81,7 @@ def _split_piece(var: relax.Expr, value: dict[relax.Var, relax.Expr]) -> Optiona
     item = value.get(var)
     if not isinstance(item, relax.TupleGetItem) or not isinstance(item.tuple_value, relax.Var):
         return None
-    if _op_name(value.get(item.tuple_value)) != "relax.split":
+    if op_name(value.get(item.tuple_value)) != "relax.split":
         return None
     return item.tuple_value, int(item.index)
 
@@ -97,7 +93,7 @@ def _cancel_in_block(block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, i
     maybe_dead: set[relax.Var] = set()
     for binding in block.bindings:
         new_value = None
-        if isinstance(binding, relax.VarBinding) and _op_name(binding.value) == "relax.concat":
+        if isinstance(binding, relax.VarBinding) and op_name(binding.value) == "relax.concat":
             new_value, n = _cancel_in_concat(binding, value)
             cancelled += n
         if new_value is None:
@@ -189,7 +185,7 @@ class CancelSplitConcat:
         self.cancelled = 0
         updates = {}
         for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or _is_primitive(func):
+            if not isinstance(func, relax.Function) or is_primitive(func):
                 continue
             new, n = cancel_split_concat(func)
             if n:
@@ -202,11 +198,3 @@ class CancelSplitConcat:
         for gv, func in updates.items():
             mod[gv] = func
         return mod
-
-
-def _is_primitive(func: relax.Function) -> bool:
-    attrs = func.attrs
-    if attrs is None:
-        return False
-    keys = attrs.keys()
-    return ("Primitive" in keys and int(attrs["Primitive"]) != 0) or "Codegen" in keys

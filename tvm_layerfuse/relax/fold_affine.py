@@ -46,7 +46,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, is_tuple_get_item, rewrite_call, wildcard
 
-from ._common import FunctionFacts, conv2d_layout_reason, dtype_of, is_primitive, numel, relax_functions, static_shape
+from ._ir import FunctionFacts, conv2d_layout_reason, dtype_of, is_primitive, numel, relax_functions, static_shape
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, rewrite_call, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
-from ._common import FunctionFacts, is_primitive, relax_functions, static_shape
+from ._ir import FunctionFacts, is_primitive, relax_functions, static_shape
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,11 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from .cancel_split_concat import _is_primitive, cancel_split_concat, remove_unused_dataflow_bindings, with_blocks
+from ..planner import FusionPlan
+from ..report import Report
+from ..templates.base import Refusal
+from ._ir import FunctionFacts, is_primitive, op_name, param_names, weight_param
+from .cancel_split_concat import cancel_split_concat, remove_unused_dataflow_bindings, with_blocks
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +112,8 @@ class MergedGroup:
     activation: Optional[str]
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """A set of convolutions that could have merged and did not, with the reason."""
-
-    function: str
-    convs: tuple[str, ...]
-    reason: str
-
-
 @dataclass
-class MergeReport:
+class MergeReport(Report):
     """What one run of :class:`MergeParallelConv2D` did."""
 
     merged: list[MergedGroup] = field(default_factory=list)
@@ -134,12 +129,6 @@ class MergeReport:
 
 
 # --------------------------------------------------------------------------- analysis
-
-
-def _op_name(expr: Optional[relax.Expr]) -> Optional[str]:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
 
 
 def _dims(ty: Any) -> Optional[tuple[Optional[int], ...]]:
@@ -217,7 +206,7 @@ def _same_activation(a: Optional[relax.Call], b: Optional[relax.Call]) -> bool:
 class _BlockIndex:
     """Definitions and readers of the variables of one dataflow block of a function."""
 
-    def __init__(self, func: relax.Function, block: relax.DataflowBlock) -> None:
+    def __init__(self, facts: FunctionFacts, block: relax.DataflowBlock) -> None:
         self.block = block
         self.bindings = list(block.bindings)
         self.value: dict[relax.Var, relax.Expr] = {}
@@ -229,42 +218,17 @@ class _BlockIndex:
                 self.value[b.var] = b.value
             for v in relax.analysis.free_vars(b.value):
                 self.readers.setdefault(v, []).append(i)
-        params = list(func.params)
-        num_input = func.attrs["num_input"] if func.attrs is not None and "num_input" in func.attrs.keys() else None
-        first_weight = 0 if num_input is None else int(num_input)
-        self.weight_params = {p: p.name for p in params[first_weight:]}
-        self._static: dict[relax.Var, bool] = {}
+        self.facts = facts
 
     # -- compile-time values
 
     def is_static(self, expr: relax.Expr) -> bool:
         """True when ``expr`` depends only on weight parameters and constants."""
-        return all(self._static_var(v) for v in relax.analysis.free_vars(expr))
-
-    def _static_var(self, var: relax.Var) -> bool:
-        if var in self.weight_params:
-            return True
-        if var not in self._static:
-            value = self.value.get(var)
-            self._static[var] = False  # guards against cycles (none in valid IR)
-            self._static[var] = value is not None and self.is_static(value)
-        return self._static[var]
+        return self.facts.is_static(expr)
 
     def param_names(self, expr: relax.Expr) -> frozenset[str]:
         """Names of the weight parameters ``expr`` is computed from."""
-        names: set[str] = set()
-        todo = list(relax.analysis.free_vars(expr))
-        seen: set[relax.Var] = set()
-        while todo:
-            v = todo.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            if v in self.weight_params:
-                names.add(v.name)
-            elif v in self.value:
-                todo.extend(relax.analysis.free_vars(self.value[v]))
-        return frozenset(names)
+        return frozenset(self.facts.weight_roots(expr))
 
     # -- chains
 
@@ -321,7 +285,7 @@ class _BlockIndex:
     def _absorb_bias(self, b: _Branch) -> None:
         b.stopped = self._readers_note(b.conv)
         reader = self.sole_reader(b.conv)
-        if reader is None or _op_name(reader.value) != "relax.add":
+        if reader is None or op_name(reader.value) != "relax.add":
             return
         lhs, rhs = reader.value.args
         if lhs.same_as(b.conv) and not rhs.same_as(b.conv):
@@ -337,7 +301,7 @@ class _BlockIndex:
             return
         b.bias, b.bias_is_4d, b.bias_dtype = other, True, _dtype(other.ty)
         source = self.value.get(other) if isinstance(other, relax.DataflowVar) else None
-        if _op_name(source) == "relax.reshape":  # the ONNX importer's reshape(b, [1, C, 1, 1])
+        if op_name(source) == "relax.reshape":  # the ONNX importer's reshape(b, [1, C, 1, 1])
             flat = source.args[0]
             if _dims(flat.ty) == (b.channels,) and _dtype(flat.ty) == b.bias_dtype:
                 b.bias, b.bias_is_4d = flat, False
@@ -347,7 +311,7 @@ class _BlockIndex:
         if not b.tail.same_as(b.conv):
             b.stopped = self._readers_note(b.tail)
         reader = self.sole_reader(b.tail)
-        if reader is None or _op_name(reader.value) not in ACTIVATIONS:
+        if reader is None or op_name(reader.value) not in ACTIVATIONS:
             return
         call = reader.value
         if not call.args[0].same_as(b.tail) or any(
@@ -519,17 +483,20 @@ class _Candidates:
 def _analyse(mod: tvm.IRModule) -> list[_Candidates]:
     out = []
     for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function) or _is_primitive(func) or not isinstance(func.body, relax.SeqExpr):
+        if not isinstance(func, relax.Function) or is_primitive(func) or not isinstance(func.body, relax.SeqExpr):
             continue
+        facts = None
         for k, block in enumerate(func.body.blocks):
             if not isinstance(block, relax.DataflowBlock):
                 continue
             convs = [
-                b for b in block.bindings if isinstance(b, relax.VarBinding) and _op_name(b.value) == "relax.nn.conv2d"
+                b for b in block.bindings if isinstance(b, relax.VarBinding) and op_name(b.value) == "relax.nn.conv2d"
             ]
             if len(convs) < 1:
                 continue
-            index = _BlockIndex(func, block)
+            # a function without num_input (hand-written IR) takes all its parameters as weights
+            facts = facts or FunctionFacts.of(func, num_input=0)
+            index = _BlockIndex(facts, block)
             cands = _Candidates(gv.name_hint, k, index, [], {})
             if any(isinstance(b, relax.MatchCast) for b in block.bindings):
                 for c in convs:
@@ -643,7 +610,9 @@ def _requested_groups(
 def _refuse(
     report: MergeReport, function: str, convs: tuple[str, ...], reason: str, *, level: int = logging.WARNING
 ) -> None:
-    report.refused.append(Refusal(function, tuple(convs), reason))
+    report.refused.append(
+        Refusal(template="MergeParallelConv2D", kind="horizontal", layers=list(convs), reason=reason, function=function)
+    )
     where = f" in {function}" if function else ""
     log.log(level, "MergeParallelConv2D: not merging %s%s: %s", list(convs), where, reason)
 
@@ -757,7 +726,7 @@ def _describe(function: str, group: Sequence[_Branch]) -> MergedGroup:
 # --------------------------------------------------------------------------- plan -> groups
 
 
-def merge_groups_from_plan(plan: Any, mod: tvm.IRModule) -> list[list[str]]:
+def merge_groups_from_plan(plan: FusionPlan, mod: tvm.IRModule) -> list[list[str]]:
     """The plan's horizontal groups as weight parameter names of ``mod``.
 
     ``plan`` is a :class:`tvm_layerfuse.planner.FusionPlan`; ``mod`` is the Relax module
@@ -771,10 +740,7 @@ def merge_groups_from_plan(plan: Any, mod: tvm.IRModule) -> list[list[str]]:
     """
     from ..errors import GraphError
 
-    names: set[str] = set()
-    for _, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            names.update(p.name for p in func.params)
+    names = param_names(mod)
     out = []
     for group in plan.groups_of("horizontal"):
         weights = []
@@ -783,8 +749,7 @@ def merge_groups_from_plan(plan: Any, mod: tvm.IRModule) -> list[list[str]]:
             if len(conv.inputs) < 2 or not conv.inputs[1]:
                 raise GraphError(f"plan group {group.id}: branch {conv.name!r} has no weight input")
             onnx_name = conv.inputs[1]
-            candidates = [onnx_name, onnx_name.removeprefix("onnx::")]
-            found = next((c for c in candidates if c in names), None)
+            found = weight_param(onnx_name, names)
             if found is None:
                 raise GraphError(
                     f"plan group {group.id}: weight {onnx_name!r} of conv {conv.name!r} is not a parameter of the "

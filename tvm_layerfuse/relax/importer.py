@@ -36,7 +36,7 @@ import onnx
 import tvm
 from tvm import relax
 
-from ..errors import LayerfuseError
+from ..errors import LayerfuseError, first_line
 from ..topology.graph import TopologyGraph
 from ..topology.materialize import materialize_constants
 from ..topology.onnx_reader import ModelSource, load_model, read_onnx
@@ -113,7 +113,7 @@ def _from_onnx(model: onnx.ModelProto, *, label: str, shape_dict: dict, dtype_di
             model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True
         )
     except tvm.error.OpNotImplemented as e:
-        detail = _first_line(e).split(":", 1)[-1].strip()
+        detail = first_line(e, last=True).split(":", 1)[-1].strip()
         raise UnsupportedOpError(
             f"model {label!r} uses ops TVM's ONNX importer does not support ({detail}); "
             "expected ops TVM 0.27 converts - replace them (e.g. re-export with a lower opset) or "
@@ -121,15 +121,9 @@ def _from_onnx(model: onnx.ModelProto, *, label: str, shape_dict: dict, dtype_di
         ) from None
     except Exception as e:  # the importer raises ValueError, TVMError, KeyError ... for bad input
         raise RelaxImportError(
-            f"TVM's ONNX importer failed on model {label!r}: {type(e).__name__}: {_first_line(e)}; "
+            f"TVM's ONNX importer failed on model {label!r}: {type(e).__name__}: {first_line(e, last=True)}; "
             "check that onnx.checker and onnxruntime accept the model"
         ) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [l for l in text.splitlines() if l.strip()]
-    return lines[-1] if lines else type(e).__name__
 
 
 # ---------------------------------------------------------------------- ONNX rewrites
@@ -235,8 +229,8 @@ def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def _is_topi_binary(func: tvm.tirx.PrimFunc, name: str, a: relax.Expr, b: relax.Expr) -> bool:
-    from tvm import te, tirx, topi
     import tvm_ffi
+    from tvm import te, tirx, topi
 
     shapes = []
     for e in (a, b):

@@ -6,7 +6,7 @@
       import_onnx                                 weights as parameters (relax/importer.py)
       plan (tvm_layerfuse.planner)                which layers merge, decided on the topology graph
       1. FoldAffineIntoConv2D    vertical         BN / per-channel Mul/Add/Sub/Div -> conv weight, bias
-      2. MergeParallelConv2D     horizontal       (relax/horizontal.py, when present)
+      2. MergeParallelConv2D     horizontal       parallel convs -> one conv + split (relax/horizontal.py)
       3. FuseConv2DEpilogue      vertical + eltwise  conv + bias + [residual] + [act] -> one function
       bind_params                                 W', b' become constants, computed once here
                                                   (LiftTransformParams + one compile, then BindParams)
@@ -24,7 +24,6 @@ with.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -37,17 +36,32 @@ import tvm
 from tvm import relax
 
 from ..errors import UsageError
+from ..planner import FusionPlan
+from ..report import Report
+from ._ir import TargetLike, as_target, default_target, param_names, weight_param
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
+from .horizontal import MergeParallelConv2D, MergeReport, merge_groups_from_plan
 from .importer import import_onnx
 
 log = logging.getLogger(__name__)
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, tvm.IRModule]
-TargetLike = Union[str, Mapping[str, Any], tvm.target.Target]
 
 _ACTIVATION_NAMES = {"Relu": "relu", "Clip": "clip", "LeakyRelu": "leakyrelu", "SiLU": "silu"}
 _RESIDUAL_NAMES = {"residual": "add", "multiply": "mul"}
+
+
+@dataclass
+class FuseReport(Report):
+    """What the Relax passes of :func:`fuse_with_report` did, in their order."""
+
+    folded: list[dict[str, Any]] = field(default_factory=list)  # FoldAffineIntoConv2D: {"op", "conv_weight", "var"}
+    fold_refused: list[dict[str, Any]] = field(default_factory=list)
+    horizontal: Optional[MergeReport] = None  # MergeParallelConv2D (None: not run)
+    groups: list[dict[str, Any]] = field(default_factory=list)  # FuseConv2DEpilogue: one per fused function
+    group_refused: list[dict[str, Any]] = field(default_factory=list)
+    plan_check: Optional[dict[str, Any]] = None  # the plan's counts next to the passes' (with a plan)
 
 
 @dataclass
@@ -55,8 +69,8 @@ class FuseResult:
     """What :func:`fuse_with_report` did."""
 
     mod: tvm.IRModule
-    plan: Any = None  # tvm_layerfuse.planner.FusionPlan, when one was used
-    report: dict[str, Any] = field(default_factory=dict)
+    plan: Optional[FusionPlan] = None  # when one was used
+    report: FuseReport = field(default_factory=FuseReport)
     params: dict[str, Any] = field(default_factory=dict)  # weight values (left unbound when bind=False)
 
 
@@ -64,7 +78,7 @@ class FuseResult:
 def fuse(
     mod_or_onnx: ModelLike,
     *,
-    plan: Any = None,
+    plan: Optional[FusionPlan] = None,
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     params: Optional[Mapping[str, Any]] = None,
     horizontal: bool = True,
@@ -82,7 +96,7 @@ def fuse(
 def fuse_with_report(
     mod_or_onnx: ModelLike,
     *,
-    plan: Any = None,
+    plan: Optional[FusionPlan] = None,
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     params: Optional[Mapping[str, Any]] = None,
     horizontal: bool = True,
@@ -97,30 +111,31 @@ def fuse_with_report(
         from ..planner import plan as make_plan
 
         plan = make_plan(graph)
-    report: dict[str, Any] = {}
+    report = FuseReport()
     fold_weights = epilogue_spec = None
     if plan is not None:
-        fold_weights, epilogue_spec = plan_to_specs(plan, _param_names(mod))
+        fold_weights, epilogue_spec = plan_to_specs(plan, param_names(mod))
 
     # 1. vertical: fold BN / per-channel affine ops into the conv weights
     fold = FoldAffineIntoConv2D(only_weights=fold_weights)
     mod = fold(mod)
-    report["folded"] = list(fold.folded)
-    report["fold_refused"] = list(fold.refused)
+    report.folded = list(fold.folded)
+    report.fold_refused = list(fold.refused)
 
-    # 2. horizontal: merge parallel convs ------------------------------------------------
-    # HOOK: tvm_layerfuse.relax.horizontal.MergeParallelConv2D (written separately) runs
-    # here, after the vertical folds and before the epilogue grouping hides the convs.
+    # 2. horizontal: merge parallel convs (after the vertical folds, before the epilogue
+    #    grouping hides the convs inside fused functions)
     if horizontal:
-        mod = _run_horizontal(mod, plan, report)
+        merge = MergeParallelConv2D(groups=merge_groups_from_plan(plan, mod) if plan is not None else None)
+        mod = merge(mod)
+        report.horizontal = merge.report
 
     # 3. vertical activation + element-wise epilogue: one fused function per group
     epilogue = FuseConv2DEpilogue(plan_spec=epilogue_spec)
     mod = epilogue(mod)
-    report["groups"] = list(epilogue.groups)
-    report["group_refused"] = list(epilogue.refused)
+    report.groups = list(epilogue.groups)
+    report.group_refused = list(epilogue.refused)
     if plan is not None:
-        report["plan_check"] = _compare_with_plan(plan, report)
+        report.plan_check = _compare_with_plan(plan, report)
 
     if bind:
         mod = bind_params(mod, params)
@@ -162,28 +177,39 @@ def bind_params(mod: tvm.IRModule, params: Optional[Mapping[str, Any]]) -> tvm.I
     return relax.transform.DeadCodeElimination()(mod)
 
 
-def _bind_lifted(mod: tvm.IRModule, values: list) -> tvm.IRModule:
-    """Compute ``main``'s weight expressions once on this machine's CPU and bind the results."""
+def lift_weights(mod: tvm.IRModule, values: Sequence[Any]) -> tuple[tvm.IRModule, list[tvm.runtime.Tensor]]:
+    """Split ``main`` into its weight computation and inference, and compute the weights now.
+
+    ``LiftTransformParams`` moves every expression of the weights alone (``W'``, ``b'``,
+    merged weights) into ``main_transform_params``; that function is compiled once for this
+    machine's CPU and run on ``values`` (``main``'s weight parameters, in order). Returns the
+    module whose ``main`` takes the inputs and the computed weights, and those weights in
+    the order of its parameters.
+    """
     lifted = relax.transform.LiftTransformParams()(mod)
     transform = lifted.get_global_var("main_transform_params")
     prepare = tvm.IRModule({"main": lifted[transform].with_attr("global_symbol", "main")})
     tgt = default_target()
     ex = tvm.compile(prepare, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
     vm = relax.VirtualMachine(ex, tvm.cpu())
-    outs = vm["main"]([_as_tensor(v) for v in values])
-    outs = _flatten(outs)
-    main = lifted["main"]
-    num_input = _num_input(main)
-    lifted_params = list(main.params[num_input:])
-    if len(lifted_params) != len(outs):
-        raise RuntimeError(
-            f"LiftTransformParams gave {len(outs)} weight values for {len(lifted_params)} parameters; "
-            "this is a bug in tvm_layerfuse - report the model"
-        )
+    outs = _flatten(vm["main"]([_as_tensor(v) for v in values]))
     inference = tvm.IRModule(
         {gv: f for gv, f in lifted.functions.items() if not gv.same_as(transform)}, attrs=lifted.attrs
     )
-    return relax.transform.BindParams("main", dict(zip(lifted_params, outs)))(inference)
+    weights = list(inference["main"].params[_num_input(inference["main"]) or 0 :])
+    if len(weights) != len(outs):
+        raise RuntimeError(
+            f"LiftTransformParams gave {len(outs)} weight values for {len(weights)} parameters; "
+            "this is a bug in tvm_layerfuse - report the model"
+        )
+    return inference, outs
+
+
+def _bind_lifted(mod: tvm.IRModule, values: list) -> tvm.IRModule:
+    """Compute ``main``'s weight expressions once on this machine's CPU and bind the results."""
+    inference, outs = lift_weights(mod, values)
+    weights = inference["main"].params[_num_input(inference["main"]) or 0 :]
+    return relax.transform.BindParams("main", dict(zip(weights, outs)))(inference)
 
 
 def _num_input(func: relax.Function) -> Optional[int]:
@@ -199,32 +225,11 @@ def _as_tensor(v: Any):
 
 
 # ---------------------------------------------------------------------- build / run / count
-def default_target() -> tvm.target.Target:
-    """This machine's CPU, using all its cores."""
-    return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
-
-
-def _as_target(target: TargetLike) -> tvm.target.Target:
-    if isinstance(target, tvm.target.Target):
-        return target
-    if isinstance(target, Mapping):
-        return tvm.target.Target(dict(target))
-    if isinstance(target, str):
-        if target == "llvm":
-            return default_target()
-        if " " not in target:
-            return tvm.target.Target({"kind": target})
-    raise UsageError(
-        f"target {target!r} is not a target; expected a tvm.target.Target, a dict such as "
-        '{"kind": "llvm", "num-cores": 2}, or a kind name such as "llvm"'
-    )
-
-
 def lower(mod: tvm.IRModule, *, target: TargetLike = "llvm") -> tvm.IRModule:
     """TVM's default Relax pipeline for ``target`` up to fused PrimFuncs (no code generation):
     LegalizeOps, AnnotateTIROpPattern, FoldConstant, FuseOps, FuseTIR, then
     RewriteDataflowReshape (reshapes become views, not kernels)."""
-    tgt = _as_target(target)
+    tgt = as_target(target)
     if tgt.kind.name == "llvm":
         passes = relax.backend.cpu_generic.legalize_passes(tgt)
     else:
@@ -236,7 +241,7 @@ def lower(mod: tvm.IRModule, *, target: TargetLike = "llvm") -> tvm.IRModule:
 def build(mod: tvm.IRModule, *, target: TargetLike = "llvm") -> relax.VMExecutable:
     """Compile with TVM's default Relax pipeline for ``target`` (the one with FuseOps/FuseTIR;
     ``tvm.compile``'s own default for CPU does not fuse at all)."""
-    tgt = _as_target(target)
+    tgt = as_target(target)
     return tvm.compile(mod, target=tgt, relax_pipeline=relax.get_default_pipeline(tgt))
 
 
@@ -345,7 +350,7 @@ def _has_relax_ops(mod: tvm.IRModule) -> bool:
 
 
 # ---------------------------------------------------------------------- plan <-> Relax
-def plan_to_specs(plan: Any, param_names: set[str]) -> tuple[set[str], dict[str, EpilogueSpec]]:
+def plan_to_specs(plan: FusionPlan, param_names: set[str]) -> tuple[set[str], dict[str, EpilogueSpec]]:
     """From a FusionPlan: the conv weights whose chains fold, and each conv's epilogue spec.
 
     Every Conv of the second graph gets a spec (a conv the plan left alone may still be
@@ -364,7 +369,7 @@ def plan_to_specs(plan: Any, param_names: set[str]) -> tuple[set[str], dict[str,
         else:
             weights = [layer.inputs[1]] if len(layer.inputs) > 1 else []
             epilogues = fused.get("epilogue", [])
-        weights = [_param_name(w, param_names) for w in weights]
+        weights = [weight_param(w, param_names) or w for w in weights]
         residual = activation = None
         for e in fused.get("epilogue", []):
             if e.get("role") in _RESIDUAL_NAMES:
@@ -378,22 +383,7 @@ def plan_to_specs(plan: Any, param_names: set[str]) -> tuple[set[str], dict[str,
     return fold, spec
 
 
-def _param_name(onnx_name: str, param_names: set[str]) -> str:
-    for candidate in (onnx_name, onnx_name.removeprefix("onnx::")):
-        if candidate in param_names:
-            return candidate
-    return onnx_name
-
-
-def _param_names(mod: tvm.IRModule) -> set[str]:
-    names: set[str] = set()
-    for _, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            names.update(p.name for p in func.params)
-    return names
-
-
-def _compare_with_plan(plan: Any, report: dict[str, Any]) -> dict[str, Any]:
+def _compare_with_plan(plan: FusionPlan, report: FuseReport) -> dict[str, Any]:
     """Counts the plan promised next to what the Relax passes did; a mismatch is logged."""
     planned_bn = sum(
         1
@@ -402,8 +392,8 @@ def _compare_with_plan(plan: Any, report: dict[str, Any]) -> dict[str, Any]:
         if e.get("op") == "BatchNormalization" and e.get("folded")
     )
     planned_eltwise = len(plan.groups_of("eltwise"))
-    done_bn = sum(1 for f in report["folded"] if f["op"] == "BatchNormalization")
-    done_eltwise = sum(1 for g in report["groups"] if g.get("extra_input"))
+    done_bn = sum(1 for f in report.folded if f["op"] == "BatchNormalization")
+    done_eltwise = sum(1 for g in report.groups if g.get("extra_input"))
     check = {
         "batchnorm_folded": {"plan": planned_bn, "relax": done_bn},
         "eltwise_merged": {"plan": planned_eltwise, "relax": done_eltwise},
@@ -420,27 +410,6 @@ def _all_epilogue_entries(layer) -> list[dict[str, Any]]:
     for b in (fused.get("branches") or {}).values():
         entries.extend((b or {}).get("epilogue", []))
     return entries
-
-
-def _run_horizontal(mod: tvm.IRModule, plan: Any, report: dict[str, Any]) -> tvm.IRModule:
-    try:
-        from . import horizontal
-    except ImportError as e:
-        log.info("horizontal merge skipped: tvm_layerfuse.relax.horizontal is not available (%s)", e)
-        return mod
-    merge = getattr(horizontal, "MergeParallelConv2D", None)
-    if merge is None:
-        log.info("horizontal merge skipped: no MergeParallelConv2D in tvm_layerfuse.relax.horizontal")
-        return mod
-    groups = None
-    from_plan = getattr(horizontal, "merge_groups_from_plan", None)
-    if plan is not None and from_plan is not None:
-        groups = from_plan(plan, mod)
-    p = merge(groups=groups)
-    mod = p(mod)
-    merged = getattr(p, "report", None)
-    report["horizontal"] = dataclasses.asdict(merged) if dataclasses.is_dataclass(merged) else merged
-    return mod
 
 
 # ---------------------------------------------------------------------- loading

@@ -68,15 +68,21 @@ class FusionGroup:
 
 @dataclass
 class Refusal:
-    """A candidate a template's check refused, with the reason."""
+    """A candidate merge that was refused, with the reason: by a template's check on the
+    topology graph, or by a pass on the IRModule (``function``: the Relax function, and
+    ``layers`` the variables there)."""
 
-    template: str
-    kind: str
+    template: str  # the template or pass that refused it
+    kind: str  # vertical | horizontal | concat | eltwise
     layers: list[str]
     reason: str
+    function: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"template": self.template, "kind": self.kind, "layers": list(self.layers), "reason": self.reason}
+        out = {"template": self.template, "kind": self.kind, "layers": list(self.layers), "reason": self.reason}
+        if self.function is not None:
+            out["function"] = self.function
+        return out
 
 
 class Template(abc.ABC):

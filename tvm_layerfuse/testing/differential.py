@@ -48,6 +48,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..errors import first_line
+
 log = logging.getLogger(__name__)
 
 RTOL = 1e-4
@@ -254,10 +256,8 @@ def overwrite_violations(p) -> list[str]:
 
 
 # ---------------------------------------------------------------------- the check
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
-    return f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"
+def _error_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {first_line(e, last=True)}"
 
 
 def _where(e: BaseException) -> str:
@@ -334,7 +334,7 @@ def check_case(
     try:
         ref, values = run_reference(model, feeds)
     except Exception as e:
-        result.findings.append(Finding("reference-crash", _first_line(e)))
+        result.findings.append(Finding("reference-crash", _error_line(e)))
         return result
     scales = output_scales(model, values)
     lap("reference")
@@ -347,7 +347,7 @@ def check_case(
         try:
             p = make_plan(model)
         except Exception as e:
-            result.findings.append(Finding("plan-crash", _first_line(e) + _where(e)))
+            result.findings.append(Finding("plan-crash", _error_line(e) + _where(e)))
             return result
         result.plan_counts = p.counts()
         if "plan" in stages:
@@ -363,7 +363,7 @@ def check_case(
             onnx.checker.check_model(fused_onnx)
             got = run_ort(fused_onnx, feeds)
         except Exception as e:
-            result.findings.append(Finding("realize-crash", _first_line(e) + _where(e)))
+            result.findings.append(Finding("realize-crash", _error_line(e) + _where(e)))
         else:
             _compare(result, "realize-mismatch", "realize", ref, got, names, scales)
         lap("realize")
@@ -377,7 +377,7 @@ def check_case(
         try:
             base = run(build(unfused(model), target=tgt), inputs)
         except Exception as e:
-            result.findings.append(Finding("unfused-crash", _first_line(e) + _where(e)))
+            result.findings.append(Finding("unfused-crash", _error_line(e) + _where(e)))
         else:
             _compare(result, "unfused-mismatch", "unfused", ref, base, names, scales)
         lap("unfused")
@@ -392,11 +392,11 @@ def check_case(
         except LayerfuseError as e:
             fused_mod = None
             if base is None:
-                result.findings.append(Finding("fused-crash", _first_line(e) + _where(e)))
+                result.findings.append(Finding("fused-crash", _error_line(e) + _where(e)))
             else:
-                result.refused = _first_line(e)
+                result.refused = _error_line(e)
         except Exception as e:
-            result.findings.append(Finding("fused-crash", _first_line(e) + _where(e)))
+            result.findings.append(Finding("fused-crash", _error_line(e) + _where(e)))
         else:
             if got is not None:
                 ok = _compare(result, "fused-mismatch", "fused", ref, got, names, scales)
@@ -417,7 +417,7 @@ def check_case(
                 ex = tvm.compile(fused_mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
             got = run(ex, inputs)
         except Exception as e:
-            result.findings.append(Finding("lowered-crash", _first_line(e) + _where(e)))
+            result.findings.append(Finding("lowered-crash", _error_line(e) + _where(e)))
         else:
             ok = _compare(result, "lowered-mismatch", "lowered", ref, got, names, scales)
             if ok and base is not None:

@@ -45,8 +45,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ._builder import NetBuilder, check_options, model_inputs, random_inputs
 from ..models import LIGHT_MODELS, light_dir
+from ._builder import NetBuilder, check_options, model_inputs, random_inputs
 
 __all__ = [
     "BUILDERS",
@@ -302,7 +302,6 @@ def resnet50(
             x = b.relu(x)
         with b.scope("maxpool"):
             x = b.maxpool(x, 3, 2, 1)
-    inplanes = _ch(64, width)
     for stage, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
         planes = _ch(planes, width)
         for i in range(int(n)):

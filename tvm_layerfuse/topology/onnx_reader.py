@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import GraphError, ModelLoadError, ShapeError
+from ..errors import GraphError, ModelLoadError, ShapeError, first_line
 from .graph import Dim, Layer, Tensor, TopologyGraph
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def load_model(path: Union[str, os.PathLike]) -> onnx.ModelProto:
         model = onnx.load_model_from_string(data)
     except Exception as e:  # protobuf raises DecodeError / RuntimeError variants
         raise ModelLoadError(
-            f"model file {str(p)!r} is not an ONNX model (protobuf parse failed: {_first_line(e)}); "
+            f"model file {str(p)!r} is not an ONNX model (protobuf parse failed: {first_line(e)}); "
             "expected a file written by onnx.save or an exporter - check that the file is complete"
         ) from None
     if not model.graph.node and not model.graph.output:
@@ -71,7 +71,7 @@ def load_model(path: Union[str, os.PathLike]) -> onnx.ModelProto:
             onnx.load_external_data_for_model(model, str(p.parent))
         except Exception as e:
             raise ModelLoadError(
-                f"model file {str(p)!r} keeps weights in external files that cannot be read ({_first_line(e)}); "
+                f"model file {str(p)!r} keeps weights in external files that cannot be read ({first_line(e)}); "
                 "expected them beside the model - copy them next to it"
             ) from None
     return model
@@ -253,7 +253,7 @@ class _Reader:
             onnx.checker.check_model(model)
         except onnx.checker.ValidationError as e:
             raise GraphError(
-                f"model {self.label!r} is not valid ONNX: {_first_line(e)}; expected a model that passes "
+                f"model {self.label!r} is not valid ONNX: {first_line(e)}; expected a model that passes "
                 "onnx.checker - re-export it"
             ) from None
 
@@ -338,7 +338,7 @@ class _Reader:
             return onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
         except Exception as e:
             raise GraphError(
-                f"shape inference failed on model {self.label!r}: {_first_line(e)}; "
+                f"shape inference failed on model {self.label!r}: {first_line(e)}; "
                 "expected consistent shapes - check the weights and input shape"
             ) from None
 
@@ -537,12 +537,3 @@ def _stable_topo(deps: list[set[int]], users: dict[int, list[int]]) -> list[int]
             if indeg[u] == 0:
                 heapq.heappush(ready, u)
     return order
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("[ONNXRuntimeError]"):
-            return line[:300]
-    return text.splitlines()[0][:300]

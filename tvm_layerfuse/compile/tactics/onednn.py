@@ -104,7 +104,7 @@ def build_extension() -> Path:
 @lru_cache(maxsize=1)
 def load() -> Path:
     """Build the extension and load it into this process (registers its global functions)."""
-    from ...runtime_tactics import load_library
+    from ...runtime.tactics import load_library
 
     path = build_extension()
     try:

@@ -36,7 +36,6 @@
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
-#include <tvm/ffi/reflection/registry.h>
 #include <tvm/ffi/string.h>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -68,9 +67,11 @@ struct Attrs {
   }
 };
 
+// The engine and the layers live until the process ends and are never destroyed: static
+// destructors at exit would otherwise free primitives after the engine (or oneDNN) is gone.
 dnnl::engine& Engine() {
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  return engine;
+  static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  return *engine;
 }
 
 dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
@@ -139,8 +140,15 @@ void CheckTensor(const TensorView& t, int ndim, const char* what) {
   if (!t.IsContiguous()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: " << what << " must be contiguous";
 }
 
-std::mutex mu;
-std::unordered_map<std::string, std::unique_ptr<Layer>> layers;
+std::mutex& Mutex() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+
+std::unordered_map<std::string, std::unique_ptr<Layer>>& Layers() {
+  static auto* layers = new std::unordered_map<std::string, std::unique_ptr<Layer>>();
+  return *layers;
+}
 
 Layer& Get(const TensorView& x, const TensorView& w, const Attrs& at, const Shape& attrs, bool residual, double alpha,
            double beta) {
@@ -151,6 +159,7 @@ Layer& Get(const TensorView& x, const TensorView& w, const Attrs& at, const Shap
   key << '|' << alpha << '|' << beta;
   const float* wdata = Data(w);
   const int64_t wn = w.numel();
+  auto& layers = Layers();
   auto it = layers.find(key.str());
   if (it != layers.end() && it->second->fingerprint == Fingerprint(wdata, wn)) return *it->second;
   auto layer = std::make_unique<Layer>();
@@ -195,7 +204,7 @@ void Run(TensorView x, TensorView w, TensorView b, const TensorView* r, Shape at
   if (r) CheckTensor(*r, 4, "residual");
   Attrs at = Attrs::From(attrs);
   try {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::mutex> lock(Mutex());
     Layer& layer = Get(x, w, at, attrs, r != nullptr, alpha, beta);
     for (int i = 0; i < 4; ++i) {
       if (out.shape()[i] != layer.pd.dst_desc().dims()[i] || (r && r->shape()[i] != out.shape()[i]))
@@ -265,11 +274,12 @@ String Version() {
 
 }  // namespace layerfuse_onednn
 
+// Registered with override: a process may load this library from several artifacts (or the
+// compiler's build cache and an artifact); the last one loaded serves the calls.
 TVM_FFI_STATIC_INIT_BLOCK() {
-  namespace refl = tvm::ffi::reflection;
-  refl::GlobalDef()
-      .def("layerfuse.onednn.conv2d", layerfuse_onednn::Conv2d)
-      .def("layerfuse.onednn.conv2d_add", layerfuse_onednn::Conv2dAdd)
-      .def("layerfuse.onednn.implementation", layerfuse_onednn::Implementation)
-      .def("layerfuse.onednn.version", layerfuse_onednn::Version);
+  using tvm::ffi::Function;
+  Function::SetGlobal("layerfuse.onednn.conv2d", Function::FromTyped(layerfuse_onednn::Conv2d), true);
+  Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);
+  Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);
+  Function::SetGlobal("layerfuse.onednn.version", Function::FromTyped(layerfuse_onednn::Version), true);
 }

@@ -42,7 +42,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...relax._common import (
+from ...relax._ir import (
     conv2d_layout_reason,
     dtype_of,
     is_primitive,

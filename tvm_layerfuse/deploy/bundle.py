@@ -7,7 +7,7 @@
       rpc_server.sh     ./rpc_server.sh [--host 127.0.0.1] [--port 9091] [--tracker H:P --key K]
       artifact/         the compiled artifact (checked before copying)
       site/             tvm (runtime library only), tvm_ffi, ml_dtypes, typing_extensions,
-                        cloudpickle, psutil, and the tvm_layerfuse loader
+                        cloudpickle, psutil, and tvm_layerfuse's runtime package
       README.txt
 
 The target needs Python (the version given with ``--python``) and numpy. The packages for
@@ -31,8 +31,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from . import artifact
-from .errors import BuildError, UsageError
+from ..errors import BuildError, UsageError
+from ..runtime import artifact
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,11 @@ PRUNE = (
     "tvm_ffi/cython",
 )
 PACKAGES = ("tvm", "tvm_ffi", "ml_dtypes", "typing_extensions", "cloudpickle", "psutil")
-LOADER = ("__init__.py", "errors.py", "artifact.py", "runtime.py", "runtime_tactics.py", "runner.py")
+# What a bundle holds of tvm_layerfuse: the runtime package, as it is, and the modules
+# around it that it and the run command import (tests/test_runtime_boundary.py checks
+# that none of them imports the compiler).
+RUNTIME_PACKAGE = "runtime"
+LOADER = ("__init__.py", "errors.py", "cli/__init__.py", "cli/run.py")
 WHEELS = {
     "tvm": "apache-tvm=={tvm}",
     "tvm_ffi": "apache-tvm-ffi=={ffi}",
@@ -74,7 +78,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
 sys.path.insert(0, os.path.join(HERE, "site"))
 
-from tvm_layerfuse.runner import bundle_main  # noqa: E402
+from tvm_layerfuse.cli.run import bundle_main  # noqa: E402
 
 sys.exit(bundle_main(artifact_dir=os.path.join(HERE, "artifact")))
 '''
@@ -119,12 +123,11 @@ def make_bundle(
     if not python.replace(".", "").isdigit() or python.count(".") != 1:
         raise UsageError(f"--python {python!r} is not a version; expected MAJOR.MINOR such as 3.12")
     out = Path(out)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another -o")
-    if out.exists() and not force:
-        raise UsageError(f"output {str(out)!r} already exists; remove it or pass --force")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    parent = artifact.output_parent(out, overwrite=force)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    except OSError as e:
+        raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
     tmp.chmod(0o755)
     try:
         site = tmp / "site"
@@ -133,8 +136,10 @@ def make_bundle(
         _prune(site)
         pkg = site / "tvm_layerfuse"
         pkg.mkdir()
-        here = Path(__file__).parent
+        here = Path(__file__).resolve().parents[1]
+        shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
         for name in LOADER:
+            (pkg / name).parent.mkdir(exist_ok=True)
             shutil.copy2(here / name, pkg / name)
         shutil.copytree(artifact_dir, tmp / "artifact", ignore=shutil.ignore_patterns(".*"))
         _write(tmp / "run.py", RUN_PY, executable=True)

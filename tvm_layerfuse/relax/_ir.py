@@ -1,4 +1,4 @@
-"""Facts about Relax functions that the layerfuse passes share.
+"""Facts about Relax functions that the layerfuse passes (``relax/`` and ``lowering/``) share.
 
 * which values are *compile-time*: computable from the weights alone (constants, and the
   parameters after ``num_input``, see ``relax.analysis.computable_at_compile_time``), so
@@ -7,16 +7,22 @@
 * which weight parameters an expression derives from (how a conv2d in Relax is matched
   with its layer in the topology graph: ``from_onnx`` names each weight parameter after
   its ONNX tensor, and ONNX Conv's input 1 is that tensor);
-* static shapes.
+* static shapes, op names, fused (primitive) functions;
+* the compilation target (:func:`as_target`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Mapping, Optional, Union
 
 import tvm
 from tvm import relax
+
+from ..errors import UsageError
+
+TargetLike = Union[str, Mapping[str, Any], tvm.target.Target]
 
 NCHW_CONV_ATTRS = {"data_layout": "NCHW", "kernel_layout": "OIHW", "out_layout": "NCHW"}
 
@@ -28,11 +34,55 @@ def relax_functions(mod: tvm.IRModule) -> list[tuple[tvm.ir.GlobalVar, relax.Fun
 
 
 def is_primitive(func: relax.Function) -> bool:
-    """Whether ``func`` is an already-fused function (its body is one kernel's worth)."""
+    """Whether ``func`` is an already-fused function (its body is one kernel's worth): marked
+    ``Primitive`` (by FuseOps or a layerfuse pass), a ``Composite`` pattern, or offloaded
+    to an external ``Codegen``. The passes leave such functions alone."""
     attrs = func.attrs
     if attrs is None:
         return False
-    return bool(attrs.get("Primitive", 0)) or "Composite" in attrs or "Codegen" in attrs
+    keys = set(attrs.keys())
+    return ("Primitive" in keys and int(attrs["Primitive"]) != 0) or "Composite" in keys or "Codegen" in keys
+
+
+def op_name(expr: Optional[relax.Expr]) -> Optional[str]:
+    """``"relax.nn.conv2d"`` for a call of a Relax operator, else None."""
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+def default_target() -> tvm.target.Target:
+    """This machine's CPU, using all its cores."""
+    return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
+
+
+def as_target(target: TargetLike) -> tvm.target.Target:
+    """``target`` as a ``tvm.target.Target``: a Target, a dict, or a kind name (``"llvm"`` is
+    :func:`default_target`: this CPU with all its cores)."""
+    if isinstance(target, tvm.target.Target):
+        return target
+    if isinstance(target, Mapping):
+        return tvm.target.Target(dict(target))
+    if isinstance(target, str):
+        if target == "llvm":
+            return default_target()
+        if " " not in target:
+            return tvm.target.Target({"kind": target})
+    raise UsageError(
+        f"target {target!r} is not a target; expected a tvm.target.Target, a dict such as "
+        '{"kind": "llvm", "num-cores": 2}, or a kind name such as "llvm"'
+    )
+
+
+def param_names(mod: tvm.IRModule) -> set[str]:
+    """Names of the parameters of every Relax function of ``mod``."""
+    return {p.name for _, func in relax_functions(mod) for p in func.params}
+
+
+def weight_param(onnx_name: str, names: set[str]) -> Optional[str]:
+    """The parameter (among ``names``) that holds the ONNX initializer ``onnx_name``: the
+    importer names a weight parameter after its initializer, minus a leading ``onnx::``."""
+    return next((c for c in (onnx_name, onnx_name.removeprefix("onnx::")) if c in names), None)
 
 
 @dataclass
@@ -47,9 +97,15 @@ class FunctionFacts:
     params: dict = field(default_factory=dict)  # param var -> index
 
     @classmethod
-    def of(cls, func: relax.Function) -> "FunctionFacts":
+    def of(cls, func: relax.Function, *, num_input: Optional[int] = None) -> "FunctionFacts":
+        """The facts of ``func``. Its ``num_input`` attribute says which parameters are weights
+        (those after the first ``num_input``); ``num_input`` is the count to use when the
+        function has no such attribute (default: TVM's reading, every parameter is an input)."""
         facts = cls(func=func)
-        facts.static_vars = set(relax.analysis.computable_at_compile_time(func))
+        analysed = func
+        if num_input is not None and (func.attrs is None or "num_input" not in func.attrs):
+            analysed = func.with_attr("num_input", num_input)
+        facts.static_vars = set(relax.analysis.computable_at_compile_time(analysed))
         facts.params = {p: i for i, p in enumerate(func.params)}
         readers: list[relax.Expr] = []
         body = func.body

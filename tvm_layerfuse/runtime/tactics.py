@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 log = logging.getLogger(__name__)
 

@@ -1,36 +1,37 @@
-"""The inference side of the command line: inputs from files, results printed or stored.
+"""Input files in, output files out: shared by ``run``, ``deploy`` and a bundle's ``run.py``.
 
-Shared by ``python -m tvm_layerfuse run`` and a bundle's ``run.py``; it needs only numpy,
-the TVM runtime and (for image inputs) Pillow.
-
-Inputs, one ``--input`` per model input (or one file holding them all):
+It needs only numpy (and Pillow for image inputs). Inputs, one item per model input (or
+one file holding them all):
 
 * ``x.npy``: the array for the model's only input, or ``NAME=x.npy`` for one of several;
-* ``x.npz``: arrays named after the model's inputs (``arr_0`` for a single input);
+* ``x.npz``: arrays named after the model's inputs (any one name for a single-input model);
 * ``image.png`` / ``.jpg``: resized to the input's H×W, RGB, scaled to [0, 1] and
-  normalised with ``--mean``/``--std`` (ImageNet's by default), NCHW;
-* nothing: a seeded standard-normal array per input (``--seed``), for smoke tests.
+  normalised with ``mean``/``std`` (ImageNet's by default), NCHW;
+* nothing: seeded random arrays (:func:`random_inputs`), for smoke tests.
+
+Every problem with an input file is an :class:`~tvm_layerfuse.errors.InputError`; outputs
+are written by :func:`write_outputs` atomically, as an ``.npz`` whose entries are the
+output names (whatever they are).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, BinaryIO, Mapping, Sequence, Union
 
 import numpy as np
 
-from .errors import InputError, LayerfuseError, UsageError
+from ..errors import InputError, UsageError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".webp"}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def load_inputs(
+def read_inputs(
     specs: Sequence[dict[str, Any]],
     items: Sequence[str],
     *,
@@ -38,12 +39,12 @@ def load_inputs(
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
 ) -> dict[str, np.ndarray]:
-    """Arrays for the model inputs described by ``specs`` from ``--input`` items."""
+    """Arrays for the model inputs described by ``specs`` (the manifest's ``inputs``) from
+    ``--input`` items ``FILE`` or ``NAME=FILE``; seeded random arrays when there are none."""
     names = [s["name"] for s in specs]
     by_name = {s["name"]: s for s in specs}
     if not items:
-        rng = np.random.default_rng(seed)
-        return {s["name"]: rng.standard_normal(s["shape"]).astype(s["dtype"]) for s in specs}
+        return random_inputs(specs, seed=seed)
     values: dict[str, np.ndarray] = {}
     for item in items:
         name, sep, path = item.partition("=")
@@ -87,8 +88,8 @@ def _from_npz(p: Path, names: list[str]) -> dict[str, np.ndarray]:
             arrays = {k: data[k] for k in data.files}
     except (ValueError, OSError) as e:
         raise InputError(f"input file {str(p)!r} is not a readable .npz archive ({e}); save it with numpy.savez") from None
-    if len(names) == 1 and list(arrays) == ["arr_0"]:
-        return {names[0]: arrays["arr_0"]}
+    if len(names) == 1 and len(arrays) == 1:  # one array for the one input, whatever its name
+        return {names[0]: next(iter(arrays.values()))}
     unknown = [k for k in arrays if k not in names]
     if unknown:
         raise InputError(f"{str(p)!r} holds {unknown[0]!r}, which is not a model input; expected names among {names}")
@@ -129,63 +130,58 @@ def summarize(outputs: dict[str, np.ndarray], *, top: int = 5) -> str:
     return "\n".join(lines)
 
 
-def save_outputs(path: Path, outputs: dict[str, np.ndarray]) -> None:
-    """Write ``outputs`` to ``path`` (.npz) atomically: all or nothing."""
+def random_inputs(specs: Sequence[Mapping[str, Any]], *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random arrays of the specs' shapes and dtypes (standard normal for floats)."""
+    rng = np.random.default_rng(seed)
+    values = {}
+    for spec in specs:
+        dtype = np.dtype(spec["dtype"])
+        shape = [int(d) for d in spec["shape"]]
+        if np.issubdtype(dtype, np.floating):
+            values[spec["name"]] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == np.bool_:
+            values[spec["name"]] = rng.integers(0, 2, shape).astype(dtype)
+        else:
+            values[spec["name"]] = rng.integers(0, 10, shape).astype(dtype)
+    return values
+
+
+def check_output_path(path: Union[str, os.PathLike]) -> Path:
+    """``path`` as an ``--output`` .npz whose directory exists (checked before any work)."""
     path = Path(path)
     if path.suffix != ".npz":
-        raise UsageError(f"--output {str(path)!r} must end in .npz")
+        raise UsageError(f"--output {str(path)!r} must end in .npz (outputs are written by name)")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another --output")
+    return path
+
+
+def savez(file: Union[str, os.PathLike, BinaryIO], arrays: Mapping[str, np.ndarray]) -> None:
+    """``np.savez``'s own layout, written entry by entry, so that any name is a valid key
+    (``np.savez(file, **arrays)`` takes an array called ``file`` for its own argument)."""
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, value in arrays.items():
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)
+
+
+def write_outputs(path: Union[str, os.PathLike], outputs: Mapping[str, np.ndarray]) -> Path:
+    """Write ``outputs`` to the .npz ``path`` atomically (a temporary file beside it, then
+    rename): all or nothing, entries named after the outputs (:func:`savez`)."""
+    path = check_output_path(path)
+    parent = path.parent if str(path.parent) else Path(".")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     except OSError as e:
         raise UsageError(f"cannot write {str(path)!r} ({e.strerror}); choose a writable --output") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **outputs)
+            savez(f, outputs)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", action="append", default=[], metavar="FILE|NAME=FILE", help=".npy, .npz or image; repeatable")
-    p.add_argument("--output", metavar="Y.npz", help="store the outputs (atomically) instead of only printing them")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random input used when --input is not given")
-    p.add_argument("--top", type=int, default=5, help="classes shown per sample for classifier outputs")
-    p.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN, metavar=("R", "G", "B"))
-    p.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD, metavar=("R", "G", "B"))
-    p.add_argument("--benchmark", type=int, default=0, metavar="N", help="also time N runs (median/min/max)")
-
-
-def run_artifact(args: argparse.Namespace, artifact_dir: Path, *, say=print) -> int:
-    from .runtime import load
-
-    rt = load(artifact_dir, device=args.device)
-    inputs = load_inputs(rt.inputs, args.input, seed=args.seed, mean=args.mean, std=args.std)
-    outputs = rt.run(inputs)
-    if args.output:
-        save_outputs(Path(args.output), outputs)
-        say(f"wrote {args.output}")
-    print(summarize(outputs, top=args.top))
-    if args.benchmark:
-        t = rt.benchmark(inputs, repeat=args.benchmark)
-        print(f"latency over {t['repeat']} runs: median {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}, max {t['max_ms']:.3f})")
-    return 0
-
-
-def bundle_main(argv: Optional[Sequence[str]] = None, *, artifact_dir: Path) -> int:
-    """Entry point of a bundle's ``run.py``."""
-    parser = argparse.ArgumentParser(prog="run.py", description="Run the bundled model with the TVM runtime only.")
-    add_run_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_artifact(args, artifact_dir, say=lambda m: print(m, file=sys.stderr))
-    except LayerfuseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+    return path

@@ -19,11 +19,13 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .errors import ArtifactError, UsageError
+from ..errors import ArtifactError, UsageError
 
 FORMAT = "tvm_layerfuse.artifact"
 FORMAT_VERSION = 1
@@ -162,19 +164,33 @@ def verify(path: Path, manifest: Optional[dict[str, Any]] = None) -> dict[str, A
     return manifest
 
 
-def write_artifact(out: Path, fill: Callable[[Path], dict[str, Any]], *, overwrite: bool = False) -> Path:
+def output_parent(out: Path, *, overwrite: bool) -> Path:
+    """The directory that will hold the output directory ``out`` (``-o``), checked: it exists,
+    and ``out`` does not unless ``overwrite`` (``--force``)."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.exists():  # a regular file there: writing into it says so (ENOTDIR)
+        raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another -o")
+    if out.exists() and not overwrite:
+        raise UsageError(f"output {str(out)!r} already exists; remove it or pass --force")
+    return parent
+
+
+def write_artifact(
+    out: Path,
+    fill: Callable[[Path], dict[str, Any]],
+    *,
+    overwrite: bool = False,
+    on_commit: Optional[Callable[[], None]] = None,
+) -> Path:
     """Create the artifact directory ``out`` atomically.
 
     ``fill(tmpdir)`` writes the files into a temporary directory beside ``out`` and returns
     the manifest (without ``files``); checksums are added here, then the directory is
-    renamed into place. On any failure (or Ctrl-C) nothing is left at ``out``.
+    renamed into place. On any failure (or Ctrl-C) before that rename nothing is left at
+    ``out``; ``on_commit()`` runs right after it (see :func:`_commit` for Ctrl-C then).
     """
     out = Path(out)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.exists():
-        raise UsageError(f"output directory {str(parent)!r} does not exist; create it or choose another -o")
-    if out.exists() and not overwrite:
-        raise UsageError(f"output {str(out)!r} already exists; remove it or pass --force")
+    parent = output_parent(out, overwrite=overwrite)
     if out.exists() and not (out / MANIFEST).exists():
         raise UsageError(f"output {str(out)!r} exists and is not an artifact; refusing to replace it - choose another -o")
     try:
@@ -188,14 +204,7 @@ def write_artifact(out: Path, fill: Callable[[Path], dict[str, Any]], *, overwri
             p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST
         }
         _write_json(tmp / MANIFEST, manifest)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        _commit(tmp, out, on_commit)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         advice = {
@@ -210,6 +219,44 @@ def write_artifact(out: Path, fill: Callable[[Path], dict[str, Any]], *, overwri
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _commit(tmp: Path, out: Path, on_commit: Optional[Callable[[], None]]) -> None:
+    """Rename ``tmp`` to ``out`` (replacing an old artifact): the instant the artifact exists.
+
+    SIGINT is held around it (in the main thread, when its handler is a Python function):
+    one that came before the rename is delivered before it, so nothing is written; one that
+    comes during it is delivered after ``on_commit()``, to the handler in place then (which
+    ``on_commit`` may have set to ignore it: the artifact is complete).
+    """
+    held: list[int] = []
+    handler = signal.getsignal(signal.SIGINT)
+    hold = callable(handler) and threading.current_thread() is threading.main_thread()
+
+    def record(signum, frame) -> None:
+        held.append(signum)
+
+    if hold:
+        signal.signal(signal.SIGINT, record)
+    try:
+        if held:
+            handler(signal.SIGINT, None)  # raises KeyboardInterrupt: before the rename
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        if on_commit is not None:
+            on_commit()
+    finally:
+        if hold and signal.getsignal(signal.SIGINT) is record:
+            signal.signal(signal.SIGINT, handler)
+    now = signal.getsignal(signal.SIGINT)
+    if held and callable(now):
+        now(signal.SIGINT, None)
 
 
 def _umask() -> int:

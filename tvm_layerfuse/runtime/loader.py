@@ -25,8 +25,9 @@ from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
-from . import artifact, runtime_tactics
-from .errors import ArtifactError, DeviceError, InputError
+from ..errors import ArtifactError, DeviceError, InputError, first_line
+from . import artifact
+from . import tactics as runtime_tactics
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class Runtime:
         except Exception as e:
             raise ArtifactError(
                 f"library {manifest['library']!r} of artifact {str(self.path)!r} cannot be loaded: "
-                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                f"{first_line(e)}"
             ) from None
         self._vm = vm_runtime.VirtualMachine(lib, self.device)
         self._params = self._load_params(tvm)
@@ -127,7 +128,7 @@ class Runtime:
     # ------------------------------------------------------------------ inference
     def _arguments(self, inputs: Inputs) -> list[Any]:
         values = check_inputs(self.inputs, inputs)
-        return [self._tvm.runtime.tensor(_contiguous(v), self.device) for v in values] + self._params
+        return [self._tvm.runtime.tensor(contiguous(v), self.device) for v in values] + self._params
 
     def run(self, inputs: Inputs) -> dict[str, np.ndarray]:
         """Run one inference; returns ``{output name: array}``."""
@@ -138,7 +139,7 @@ class Runtime:
             # The inputs fit the manifest, so the library refused the weights (or the manifest):
             # the artifact's files do not belong together.
             raise ArtifactError(
-                f"the library of artifact {str(self.path)!r} rejects its arguments ({_first_line(e)}); "
+                f"the library of artifact {str(self.path)!r} rejects its arguments ({first_line(e)}); "
                 "its weights file or manifest does not match the library - re-run `compile`"
             ) from None
         values = list(result) if not hasattr(result, "numpy") else [result]
@@ -155,11 +156,6 @@ class Runtime:
         return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeat": len(times)}
 
 
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[0][:200] if lines else type(e).__name__
-
-
 def read_weights(path: Path, file: str, order: Sequence[str]) -> list[np.ndarray]:
     """The artifact's weights in ``order``: plain numeric arrays only, never unpickled."""
     where = f"weights file {file!r} of artifact {str(path)!r}"
@@ -174,16 +170,16 @@ def read_weights(path: Path, file: str, order: Sequence[str]) -> list[np.ndarray
     except ValueError as e:
         if "allow_pickle" in str(e):  # object arrays: loading them would unpickle
             raise ArtifactError(
-                f"{where} holds pickled Python objects ({_first_line(e)}); weights are plain arrays and pickles "
+                f"{where} holds pickled Python objects ({first_line(e)}); weights are plain arrays and pickles "
                 "are never loaded - refusing it, re-run `compile`"
             ) from None
-        raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
+        raise ArtifactError(f"{where} is not a readable .npz archive ({first_line(e)}); re-run `compile`") from None
     except (OSError, EOFError, zipfile.BadZipFile) as e:
-        raise ArtifactError(f"{where} is not a readable .npz archive ({_first_line(e)}); re-run `compile`") from None
+        raise ArtifactError(f"{where} is not a readable .npz archive ({first_line(e)}); re-run `compile`") from None
     for n, a in zip(order, arrays):
         if a.dtype.kind not in "biufc":
             raise ArtifactError(f"{where} holds {n!r} of dtype {a.dtype}; expected numeric weights - re-run `compile`")
-    return [_contiguous(a) for a in arrays]
+    return [contiguous(a) for a in arrays]
 
 
 def check_inputs(specs: Sequence[dict[str, Any]], inputs: Inputs) -> list[np.ndarray]:
@@ -221,7 +217,7 @@ def check_inputs(specs: Sequence[dict[str, Any]], inputs: Inputs) -> list[np.nda
     return out
 
 
-def _contiguous(a: np.ndarray) -> np.ndarray:
+def contiguous(a: np.ndarray) -> np.ndarray:
     """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)."""
     return a if a.flags.c_contiguous else np.array(a, order="C")
 

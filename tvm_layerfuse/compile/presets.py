@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import BuildError, UsageError
+from ..errors import BuildError, UsageError
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ HOST_CPU = "host"  # the "mcpu" placeholder for this build machine's CPU
 def _presets():
     """The folder of preset files: ``targets/`` of this checkout when there is one (so a
     source tree on PYTHONPATH uses its own presets), else the installed package data."""
-    here = Path(__file__).resolve().parent.parent / "targets"
+    here = Path(__file__).resolve().parents[2] / "targets"
     if (here / "cpu.json").is_file():
         return here
     return importlib.resources.files("tvm_layerfuse.targets")
@@ -78,7 +78,7 @@ def preset_names() -> list[str]:
 
 
 def _build_cpu_flags() -> list[str]:
-    from .runtime_tactics import tracked_flags
+    from ..runtime.tactics import tracked_flags
 
     return tracked_flags()
 

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .errors import BuildError
+from ..errors import BuildError
 
 log = logging.getLogger(__name__)
 

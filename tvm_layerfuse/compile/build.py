@@ -25,12 +25,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import __version__, artifact
-from .errors import BuildError
+from .. import __version__
+from ..errors import BuildError, first_line
+from ..runtime import artifact
+from ..runtime.io import savez
 from .presets import TargetSpec, check_toolchain, resolve
 
 log = logging.getLogger(__name__)
@@ -48,17 +50,19 @@ def compile_model(
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     force: bool = False,
     progress: bool = True,
+    on_commit: Optional[Callable[[], None]] = None,
     tactics: str = "auto",
 ) -> Path:
     """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``.
 
+    ``on_commit()`` runs the instant the artifact is in place (see :func:`artifact.write_artifact`).
     ``tactics``: ``auto`` | ``onednn`` | ``tvm``, which implementation runs the conv layers
     (see :mod:`tvm_layerfuse.compile.tactics`)."""
     spec = resolve(target, arch=arch)
     check_toolchain(spec)
     from tqdm import tqdm
 
-    from .planner import plan as make_plan
+    from ..planner import plan as make_plan
 
     timings: dict[str, float] = {}
     with tqdm(total=len(STEPS), disable=not progress, unit="step", leave=False) as bar:
@@ -75,7 +79,7 @@ def compile_model(
             p = make_plan(model, input_shapes=input_shapes)
         with step("import and fuse"):
             mod, params, report = relax_module(model, plan=p, fuse=fuse, input_shapes=input_shapes)
-            from .compile.tactics import apply_tactics
+            from .tactics import apply_tactics
 
             mod, tactic_plan = apply_tactics(mod, params, spec, tactics=tactics)
         with step("fold weights"):
@@ -95,15 +99,15 @@ def compile_model(
             def fill(tmp: Path) -> dict[str, Any]:
                 shutil.copyfile(library, tmp / artifact.LIBRARY)
                 if tactic_plan.library is not None:  # the tactic library travels with the model
-                    from .compile.tactics.onednn import LIBRARY_FILE
+                    from .tactics.onednn import LIBRARY_FILE
 
                     shutil.copyfile(tactic_plan.library, tmp / LIBRARY_FILE)
-                np.savez(tmp / artifact.PARAMS, **dict(zip(names, weights)))
+                savez(tmp / artifact.PARAMS, dict(zip(names, weights)))
                 manifest = _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
                 manifest["tactics"] = tactic_plan.manifest()
                 return manifest
 
-            artifact.write_artifact(Path(out), fill, overwrite=force)
+            artifact.write_artifact(Path(out), fill, overwrite=force, on_commit=on_commit)
     log.info("compiled %s for %s in %s", p.model, spec.preset, timings)
     return Path(out)
 
@@ -111,12 +115,12 @@ def compile_model(
 # ---------------------------------------------------------------------- stages
 def relax_module(model: Any, *, plan: Any, fuse: bool, input_shapes=None):
     """(Relax module with weights as parameters, weight values by name, fusion report)."""
-    from .relax.importer import import_onnx
-    from .relax.pipeline import fuse_with_report
+    from ..relax.importer import import_onnx
+    from ..relax.pipeline import fuse_with_report
 
     if fuse:
         result = fuse_with_report(model, plan=plan, input_shapes=input_shapes, bind=False)
-        return result.mod, result.params, _jsonable(result.report)
+        return result.mod, result.params, result.report.to_dict()
     mod, params, _ = import_onnx(model, input_shapes=input_shapes)
     return mod, params, {}
 
@@ -127,8 +131,7 @@ def lift_weights(mod, params: Mapping[str, np.ndarray]):
     Returns the module whose ``main`` takes the inputs and the *transformed* weights, and
     those weights as numpy arrays in ``main``'s parameter order.
     """
-    import tvm
-    from tvm import relax
+    from ..relax.pipeline import lift_weights as lift
 
     main = mod["main"]
     num_input = int(main.attrs["num_input"])
@@ -136,15 +139,8 @@ def lift_weights(mod, params: Mapping[str, np.ndarray]):
     missing = [n for n in names if n not in params]
     if missing:
         raise BuildError(f"no value for weight {missing[0]!r}; the import lost it - report this model")
-    lifted = relax.transform.LiftTransformParams()(mod)
-    transform = lifted["main_transform_params"]
-    helper = tvm.IRModule({"main_transform_params": transform})
-    ex = tvm.compile(helper, target=tvm.target.Target({"kind": "llvm"}))
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    values = vm["main_transform_params"]([tvm.runtime.tensor(np.asarray(params[n])) for n in names])
-    weights = [np.asarray(v.numpy()) for v in values]
-    inference = tvm.IRModule({gv: f for gv, f in lifted.functions.items() if gv.name_hint != "main_transform_params"})
-    return inference, weights
+    inference, values = lift(mod, [params[n] for n in names])
+    return inference, [np.asarray(v.numpy()) for v in values]
 
 
 def safe_param_names(mod):
@@ -190,7 +186,7 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
     import tvm
     from tvm import relax
 
-    from .lowering import layerfuse_pipeline
+    from ..lowering import layerfuse_pipeline
 
     tgt = spec.tvm_target()
     try:
@@ -207,7 +203,7 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
     except Exception as e:
         raise BuildError(
             f"TVM could not build the model for {spec.preset}{' ' + spec.arch if spec.arch else ''}: "
-            f"{_first_line(e)}"
+            f"{first_line(e, last=True)}"
         ) from None
 
 
@@ -221,7 +217,7 @@ def _export(ex, path: Path, spec: TargetSpec) -> None:
             ex.export_library(str(path))
     except RuntimeError as e:  # tvm.support.cc: "Compilation error:" + the linker's output
         # the linker's complaint, e.g. "/usr/bin/ld: final link failed: No space left on device"
-        detail = next((l.strip() for l in str(e).splitlines()[1:] if l.strip()), _first_line(e))
+        detail = next((l.strip() for l in str(e).splitlines()[1:] if l.strip()), first_line(e, last=True))
         raise BuildError(
             f"linking the library for {spec.preset} failed: {detail[:300]}; check the C compiler "
             f"({spec.cross_compiler or 'g++'}) and free space in {tempfile.gettempdir()!r}"
@@ -240,7 +236,7 @@ def _export(ex, path: Path, spec: TargetSpec) -> None:
 def _kernel_count(ex) -> Optional[dict[str, Any]]:
     """Kernel launches and concatenation copies left in the executable (informative only)."""
     try:
-        from .lowering import concat_report
+        from ..lowering import concat_report
 
         return concat_report(ex)
     except Exception as e:  # the report must never fail a build
@@ -284,20 +280,3 @@ def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model)
     }
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple, set)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    if hasattr(v, "to_dict"):
-        return _jsonable(v.to_dict())
-    if hasattr(v, "__dict__"):
-        return _jsonable(vars(v))
-    return str(v)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else type(e).__name__

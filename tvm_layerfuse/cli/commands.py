@@ -17,8 +17,11 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import __version__
-from .errors import LayerfuseError, UsageError
+from .. import __version__
+from ..errors import LayerfuseError, UsageError
+from .common import say, verbosity_parent
+from .deploy import add_deploy_parser
+from .run import add_run_arguments, run_artifact
 
 log = logging.getLogger("tvm_layerfuse")
 
@@ -42,14 +45,8 @@ def parse_input_shapes(items: Sequence[str]) -> dict[str, list[int]]:
     return shapes
 
 
-def _say(args: argparse.Namespace, message: str) -> None:
-    """A status line on stderr (stdout carries the command's result), unless --quiet."""
-    if not args.quiet:
-        print(message, file=sys.stderr)
-
-
 def _model_arg(value: Optional[str]) -> Path:
-    from .models import default_model
+    from ..models import default_model
 
     return Path(value) if value else default_model()
 
@@ -66,22 +63,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .planner import plan
-    from .report import plan_text
+    from ..planner import plan
+    from ..report import plan_text
 
     model = _model_arg(args.model)
     result = plan(model, input_shapes=parse_input_shapes(args.input_shape))
     if args.dot:
-        from .dot import write_dot
+        from ..dot import write_dot
 
-        _say(args, f"wrote {write_dot(result, Path(args.dot))}")
+        say(args, f"wrote {write_dot(result, Path(args.dot))}")
     if args.svg:
-        from .dot import write_svg
+        from ..dot import write_svg
 
-        _say(args, f"wrote {write_svg(result, Path(args.svg))}")
+        say(args, f"wrote {write_svg(result, Path(args.svg))}")
     compiled = None
     if args.compile:
-        from .compile_report import compare
+        from ..compile.report import compare
 
         compiled = compare(model, plan=result, input_shapes=parse_input_shapes(args.input_shape))
     if args.json:
@@ -93,29 +90,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(plan_text(result, graphs=not args.plan_only) + "\n")
         if compiled is not None:
-            from .compile_report import text
+            from ..compile.report import text
 
             sys.stdout.write("\n" + text(compiled) + "\n")
     return 0
 
 
-def _verbosity_parent() -> argparse.ArgumentParser:
-    """-v/-q accepted after the command too (SUPPRESS keeps the top-level value otherwise)."""
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_mutually_exclusive_group()
-    group.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="more log output")
-    group.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="only errors")
-    return parent
-
-
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .build import compile_model
+    from ..compile.build import compile_model
 
     model = _model_arg(args.model)
     out = Path(args.output) if args.output else Path(f"{model.stem}.{args.target}{'.' + args.arch if args.arch else ''}")
     compile_model(
         model,
         out,
+        on_commit=args.interrupts.done,  # from the artifact's rename on, the command is done
         target=args.target,
         arch=args.arch,
         fuse=not args.no_fuse,
@@ -124,9 +113,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         progress=not args.quiet and sys.stderr.isatty(),
         tactics=args.tactics,
     )
-    _say(args, f"wrote artifact {out}")
+    say(args, f"wrote artifact {out}")
     if not args.quiet:
-        from .artifact import read_manifest
+        from ..runtime.artifact import read_manifest
 
         manifest = read_manifest(out)
         fusion = manifest["fusion"]
@@ -149,17 +138,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .runner import run_artifact
-
-    return run_artifact(args, Path(args.artifact), say=lambda m: _say(args, m))
+    return run_artifact(args, Path(args.artifact), say=lambda m: say(args, m))
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
-    from .bundle import make_bundle, size_of
+    from ..deploy.bundle import make_bundle, size_of
 
     out = make_bundle(Path(args.artifact), Path(args.output), python=args.python, force=args.force)
     sizes = size_of(out)
-    _say(
+    say(
         args,
         f"wrote bundle {out}: runtime {sizes['runtime_bytes'] / 2**20:.1f} MiB + weights "
         f"{sizes['weights_bytes'] / 2**20:.1f} MiB; run it with: python3 {out}/run.py",
@@ -179,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
-        "inspect", parents=[_verbosity_parent()], help="show the topology graph, the fusion plan and the fused graph"
+        "inspect", parents=[verbosity_parent()], help="show the topology graph, the fusion plan and the fused graph"
     )
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="print the plan and both graphs as JSON")
@@ -193,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("compile", parents=[_verbosity_parent()], help="compile a model into a device-executable artifact")
+    p = sub.add_parser("compile", parents=[verbosity_parent()], help="compile a model into a device-executable artifact")
     _add_model_args(p)
     p.add_argument("--target", default="cpu", help="target preset (cpu, aarch64, cuda) or a preset JSON file")
     p.add_argument("--arch", help="GPU architecture for --target cuda: sm_80, sm_87 (Jetson Orin), sm_90, ...")
@@ -208,60 +195,105 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_compile)
 
-    from .runner import add_run_arguments
-
-    p = sub.add_parser("run", parents=[_verbosity_parent()], help="run an artifact on inputs with the TVM runtime")
+    p = sub.add_parser("run", parents=[verbosity_parent()], help="run an artifact on inputs with the TVM runtime")
     p.add_argument("artifact", help="artifact directory written by compile")
     add_run_arguments(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("bundle", parents=[_verbosity_parent()], help="a runtime-only directory for a machine without TVM")
+    p = sub.add_parser("bundle", parents=[verbosity_parent()], help="a runtime-only directory for a machine without TVM")
     p.add_argument("artifact", help="artifact directory written by compile")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="bundle directory to create")
     p.add_argument("--python", help="Python MAJOR.MINOR of the target machine (default: this one)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle directory")
     p.set_defaults(func=cmd_bundle)
 
-    from .rpc import add_deploy_parser
-
-    add_deploy_parser(sub, parents=[_verbosity_parent()])
+    add_deploy_parser(sub, parents=[verbosity_parent()])
     return parser
-
-
-@contextlib.contextmanager
-def _watch_interrupts():
-    """Record each SIGINT (still raising KeyboardInterrupt) while the command runs."""
-    seen: list[int] = []
-    previous = signal.getsignal(signal.SIGINT)
-    # Only Python's own handler is wrapped: an ignored SIGINT stays ignored, and signal
-    # handlers can only be set from the main thread.
-    if previous is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
-        yield seen
-        return
-
-    def on_sigint(signum, frame):
-        seen.append(signum)
-        signal.default_int_handler(signum, frame)
-
-    signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield seen
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 INTERRUPTED = "error: interrupted; nothing was written"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+class Interrupts:
+    """SIGINT while a command runs: recorded and raised as ``KeyboardInterrupt`` until the
+    command's result is in place (:meth:`done`), ignored from then on.
+
+    So one Ctrl-C at any instant ends either with nothing written, ``error: interrupted;
+    nothing was written`` and status 130, or with the complete result and status 0.
+    """
+
+    def __init__(self, *, ignore_when_done: bool = False) -> None:
+        self.seen: list[int] = []
+        self.finished = False
+        self.ignore_when_done = ignore_when_done
+
+    def __call__(self, signum, frame) -> None:
+        if self.finished:
+            return
+        if _importing(frame):
+            # Raised while an extension module initialises (onnx's, TVM's), the interrupt
+            # would abort the process: C++ cannot unwind it. It comes again after the import.
+            self._again()
+            return
+        self.seen.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    def _again(self) -> None:
+        main = threading.main_thread().ident
+        timer = threading.Timer(0.02, lambda: signal.pthread_kill(main, signal.SIGINT))
+        timer.daemon = True
+        timer.start()
+
+    def done(self) -> None:
+        """The result is in place: later interrupts change nothing. With ``ignore_when_done``
+        (the process is the command) SIGINT is ignored from here to the process's end: Python
+        resets its handlers to the default (death by the signal) while it shuts down."""
+        self.finished = True
+        if self.ignore_when_done and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside an import (importlib's frames are on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def _watch_interrupts(*, keep: bool = False):
+    """:class:`Interrupts` as the SIGINT handler while the command runs (``keep``: and after,
+    for ``python -m tvm_layerfuse``, whose process ends with the command)."""
+    interrupts = Interrupts(ignore_when_done=keep)
+    previous = signal.getsignal(signal.SIGINT)
+    # Only Python's own handler is replaced: an ignored SIGINT stays ignored, and signal
+    # handlers can only be set from the main thread.
+    if previous is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
+        yield interrupts
+        return
+    signal.signal(signal.SIGINT, interrupts)
     try:
-        return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before the command started (imports, argument parsing)
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
+        yield interrupts
+    finally:
+        interrupts.done()
+        if not keep:
+            signal.signal(signal.SIGINT, previous)
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
+def main(argv: Optional[Sequence[str]] = None, *, standalone: bool = False) -> int:
+    """Run the command line; returns the exit status. ``standalone``: this process is the
+    command (``python -m tvm_layerfuse``): interrupts stay handled until it exits."""
+    with _watch_interrupts(keep=standalone) as interrupts:
+        try:
+            return _main(argv, interrupts)
+        except KeyboardInterrupt:  # Ctrl-C before the command started (imports, argument parsing)
+            print(INTERRUPTED, file=sys.stderr)
+            return 130
+
+
+def _main(argv: Optional[Sequence[str]], interrupts: Interrupts) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
@@ -269,8 +301,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
-    with _watch_interrupts() as interrupts:
-        return _run(args, interrupts)
+    args.interrupts = interrupts
+    return _run(args, interrupts.seen)
 
 
 def _run(args: argparse.Namespace, interrupts: list[int]) -> int:

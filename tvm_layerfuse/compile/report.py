@@ -20,7 +20,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-
 _MOVEMENT = re.compile(r"(fused|concatenate|split|strided|slice|reshape|squeeze|expand|dims|transpose|take)\d*")
 
 
@@ -66,8 +65,8 @@ def compare(
     """``{"default": {...}, "layerfuse": {...}, "parallel_conv_groups": n}``: each side planned
     through ``StaticPlanBlockMemory`` (no code generation) and read by
     :func:`tvm_layerfuse.lowering.concat_report`."""
-    from .lowering import concat_report
-    from .relax.pipeline import fuse_with_report, lower, unfused
+    from ..lowering import concat_report
+    from ..relax.pipeline import fuse_with_report, lower, unfused
 
     plain = unfused(model, input_shapes=input_shapes)
     result = fuse_with_report(model, plan=plan, input_shapes=input_shapes)
@@ -79,9 +78,8 @@ def compare(
         report["bytes_written"] = written["compute"] + split + report["concat_bytes_copied"]
         sides[name] = report
     baseline, ours = sides["default"], sides["layerfuse"]
-    horizontal = result.report.get("horizontal") or {}
-    merged = horizontal.get("merged", []) if isinstance(horizontal, dict) else getattr(horizontal, "merged", [])
-    return {"default": baseline, "layerfuse": ours, "parallel_conv_groups": len(merged)}
+    horizontal = result.report.horizontal
+    return {"default": baseline, "layerfuse": ours, "parallel_conv_groups": len(horizontal.merged) if horizontal else 0}
 
 
 def text(report: dict[str, Any]) -> str:
