@@ -119,7 +119,7 @@ def test_fusion_off_with_the_same_tactic():
 
 
 @needs_onednn
-def test_artifact_carries_the_library_and_runs_runtime_only(tmp_path):
+def test_artifact_carries_the_library_and_runs_runtime_only(tmp_path, capsys):
     model = zoo.squeezenet1_1(image=32, seed=3)
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
@@ -131,6 +131,11 @@ def test_artifact_carries_the_library_and_runs_runtime_only(tmp_path):
     assert onednn.LIBRARY_FILE in m["files"] and (out / onednn.LIBRARY_FILE).is_file()
     text = format_tactics(t)
     assert "onednn: 26 layers" in text and "ref:" not in text and "avx" in text
+    from tvm_layerfuse.cli import main
+
+    assert main(["inspect", str(out)]) == 0  # inspect of an artifact shows every layer's tactic
+    shown = capsys.readouterr().out
+    assert "target cpu" in shown and "onednn: 26 layers" in shown and shown.count("onednn ") >= 26
     feeds = random_inputs(model, 9)
     np.savez(tmp_path / "x.npz", **feeds)
     script = (

@@ -67,6 +67,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..report import plan_text
 
     model = _model_arg(args.model)
+    if model.is_dir():  # an artifact: its target and the tactic of every conv layer
+        return _inspect_artifact(model, args)
     result = plan(model, input_shapes=parse_input_shapes(args.input_shape))
     if args.dot:
         from ..dot import write_dot
@@ -93,6 +95,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             from ..compile.report import text
 
             sys.stdout.write("\n" + text(compiled) + "\n")
+    return 0
+
+
+def _inspect_artifact(path: Path, args: argparse.Namespace) -> int:
+    from ..compile.tactics import format_tactics
+    from ..runtime.artifact import read_manifest
+
+    manifest = read_manifest(path)
+    target, tactics = manifest["target"], manifest.get("tactics")
+    if args.json:
+        json.dump({"target": target, "tactics": tactics}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    tvm_target = target.get("tvm_target") or {}
+    portable = "portable" if target.get("portable", True) else "this CPU only: " + ", ".join(target.get("cpu_flags") or [])
+    sys.stdout.write(f"artifact {path}: target {target.get('preset')} ({tvm_target.get('mcpu', 'generic')}, {portable})\n")
+    sys.stdout.write(format_tactics(tactics) + "\n")
     return 0
 
 
@@ -166,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
-        "inspect", parents=[verbosity_parent()], help="show the topology graph, the fusion plan and the fused graph"
+        "inspect",
+        parents=[verbosity_parent()],
+        help="show the topology graph, the fusion plan and the fused graph (of an artifact directory: its target "
+        "and the tactic of every conv layer)",
     )
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="print the plan and both graphs as JSON")
