@@ -92,7 +92,7 @@ class Runtime:
         manifest = artifact.read_manifest(self.path)
         check_target(manifest, device=device, machine=this_machine())
         artifact.verify(self.path, manifest)
-        runtime_tactics.check_cpu(manifest)
+        runtime_tactics.check_cpu(manifest, path=self.path)
         self.manifest = manifest
         self.inputs: list[dict[str, Any]] = manifest["inputs"]
         self.outputs: list[dict[str, Any]] = manifest["outputs"]

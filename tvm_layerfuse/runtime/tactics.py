@@ -51,7 +51,7 @@ def tracked_flags(flags: Optional[Iterable[str]] = None) -> list[str]:
     return [f for f in TRACKED_FLAGS if f in have]
 
 
-def check_cpu(manifest: dict[str, Any], *, flags: Optional[set[str]] = None) -> None:
+def check_cpu(manifest: dict[str, Any], *, flags: Optional[set[str]] = None, path: Optional[Path] = None) -> None:
     """Refuse an artifact built for a CPU with extensions this one lacks."""
     target = manifest.get("target") or {}
     needed = target.get("cpu_flags")
@@ -63,8 +63,9 @@ def check_cpu(manifest: dict[str, Any], *, flags: Optional[set[str]] = None) -> 
     missing = [f for f in needed if isinstance(f, str) and f not in flags]
     if missing:
         mcpu = (target.get("tvm_target") or {}).get("mcpu", "?")
+        name = f"artifact {str(path)!r}" if path is not None else "artifact"
         raise ArtifactError(
-            f"artifact was compiled for CPU {mcpu} and needs {', '.join(missing)}, which this CPU lacks; "
+            f"{name} was compiled for CPU {mcpu} and needs {', '.join(missing)}, which this CPU lacks; "
             "compile with --target cpu-portable, or compile on this machine"
         )
 
@@ -77,12 +78,14 @@ def load_tactics(path: Path, manifest: dict[str, Any]) -> list[str]:
     for entry in libraries:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             raise ArtifactError(f"manifest of {str(path)!r} has a malformed tactics entry {str(entry)[:80]}; re-run `compile`")
-        load_library(Path(path) / entry["file"], needs=entry.get("needs") or [], install=entry.get("install"))
+        load_library(Path(path) / entry["file"], needs=entry.get("needs") or [], install=entry.get("install"), artifact=path)
         loaded.append(entry["file"])
     return loaded
 
 
-def load_library(lib: Path, *, needs: Iterable[str] = (), install: Optional[str] = None) -> None:
+def load_library(
+    lib: Path, *, needs: Iterable[str] = (), install: Optional[str] = None, artifact: Optional[Path] = None
+) -> None:
     """dlopen tactic library ``lib`` (its static initialisers register its global functions),
     after checking that the vendor libraries it ``needs`` (sonames) can be loaded."""
     key = str(Path(lib).resolve())
@@ -93,8 +96,9 @@ def load_library(lib: Path, *, needs: Iterable[str] = (), install: Optional[str]
             ctypes.CDLL(str(soname), mode=ctypes.RTLD_GLOBAL)
         except OSError:
             how = f"install it ({install})" if install else "install it"
+            owner = f"artifact {str(artifact)!r}" if artifact is not None else f"tactic library {str(lib)!r}"
             raise ArtifactError(
-                f"artifact library {Path(lib).name!r} needs {soname}, which is not installed on this machine; "
+                f"{owner} needs {soname} (for {Path(lib).name}), which is not installed on this machine; "
                 f"{how}, or compile the model with --tactics tvm"
             ) from None
     import tvm_ffi  # noqa: F401  (libtvm_ffi must be loaded before the library that links it)
