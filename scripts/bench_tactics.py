@@ -54,13 +54,13 @@ from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused
 from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo
 
-MODELS = {
+MODELS = {  # torchvision's full configurations
     "googlenet": dict(image=224),
     "inception_v3": dict(image=299),
-    "resnet50": dict(image=224),
+    "resnet50": dict(image=224, layers=(3, 4, 6, 3)),
     "squeezenet1_1": dict(image=224),
-    "densenet121": dict(image=224),
-    "mobilenet_v2": dict(image=224),
+    "densenet121": dict(image=224, block_config=(6, 12, 24, 16)),
+    "mobilenet_v2": dict(image=224, setting=zoo._MOBILENET_V2_SETTING, last_channel=1280),
 }
 SIDES = ("tvm-default", "layerfuse", "fusion-off", "onnxruntime")
 CLOCK = ["wall"]

@@ -115,6 +115,26 @@ def _inspect_artifact(path: Path, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from ..compile.tune import tune_model
+
+    result = tune_model(
+        _model_arg(args.model),
+        target=args.target,
+        arch=args.arch,
+        trials=args.trials,
+        budget=args.budget,
+        tactics=args.tactics,
+        input_shapes=parse_input_shapes(args.input_shape),
+        rpc=args.rpc,
+        tracker=args.tracker,
+        key=args.key,
+        progress=not getattr(args, "quiet", False) and sys.stderr.isatty(),
+    )
+    say(args, f"tuned {result.tasks} kernels, {result.trials} trials in {result.seconds:.0f} s; database {result.database}")
+    return 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from ..compile.build import compile_model
 
@@ -216,6 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="conv implementation: oneDNN where installed (auto), oneDNN or fail, or TVM's kernels only",
     )
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser(
+        "tune", parents=[verbosity_parent()], help="MetaSchedule-tune the kernels that stay with TVM (database per target)"
+    )
+    _add_model_args(p)
+    p.add_argument("--target", default="cpu", help="target preset (cpu, cpu-portable, aarch64, cuda) or a preset JSON file")
+    p.add_argument("--arch", help="GPU architecture for --target cuda")
+    p.add_argument("--trials", type=int, default=256, help="measurements in all (default 256)")
+    p.add_argument("--budget", type=float, metavar="SECONDS", help="stop the search after this many seconds")
+    p.add_argument("--tactics", choices=("auto", "onednn", "tvm"), default="auto", help="as for compile")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--rpc", metavar="HOST:PORT", help="measure on a board through TVM's RPC runner (its tracker)")
+    where.add_argument("--tracker", metavar="HOST:PORT", help="measure on the boards of an RPC tracker")
+    p.add_argument("--key", help="device key of the boards (with --rpc/--tracker)")
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("run", parents=[verbosity_parent()], help="run an artifact on inputs with the TVM runtime")
     p.add_argument("artifact", help="artifact directory written by compile")

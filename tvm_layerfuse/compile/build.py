@@ -196,7 +196,13 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
 
                 scope.enter_context(nvcc_fatbin(spec.arch))
             scope.enter_context(tgt)
-            pipeline = layerfuse_pipeline(tgt) if fuse else relax.get_default_pipeline(tgt)
+            from .tune import database_dir, has_database
+
+            db = database_dir(spec.target, spec.host)  # written by `tune` for this target
+            db = str(db) if fuse and has_database(db) else None
+            if db is not None:
+                log.info("applying the tuning database %s", db)
+            pipeline = layerfuse_pipeline(tgt, database=db) if fuse else relax.get_default_pipeline(tgt)
             return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     except BuildError:
         raise

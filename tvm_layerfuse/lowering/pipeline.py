@@ -129,7 +129,8 @@ class LayerfusePipeline:
 
     Options (keywords): ``split_outputs`` (remove split kernels; ``None``: on for CPU, off
     for GPU targets, see below), ``inplace_concat`` (remove concat kernels), ``nested``
-    (nested concats share one block), ``stop_after`` (``"StaticPlanBlockMemory"`` ends the
+    (nested concats share one block), ``database`` (a MetaSchedule database folder written by
+    ``tune``: its schedules are applied right after the lowering passes), ``stop_after`` (``"StaticPlanBlockMemory"`` ends the
     pipeline right after memory planning, for :func:`concat_report`; None runs it all). With
     both passes off this is TVM's default pipeline. ``split_report`` and ``inplace_report``
     describe the last run; ``notes`` says what was left out for this target and why.
@@ -150,8 +151,10 @@ class LayerfusePipeline:
         inplace_concat: bool = True,
         nested: bool = True,
         stop_after: Optional[str] = None,
+        database: Optional[str] = None,
     ) -> None:
         self.target = as_target(target)
+        self.database = database  # a MetaSchedule database folder, applied after the lowering passes
         gpu = self.target.kind.name != "llvm"
         self.notes: list[str] = []
         if split_outputs and gpu:
@@ -183,6 +186,8 @@ class LayerfusePipeline:
     def passes(self) -> list:
         dispatch, legalize, lower, finalize = _stages(self.target)
         ours = [p for p in (self._split, self._concat) if p is not None]
+        if self.database is not None:  # tuned schedules for the kernels as the lowering left them
+            ours.append(relax.transform.MetaScheduleApplyDatabase(self.database))
         seq = dispatch + _insert_after_fuse_tir(legalize, ours) + lower + finalize
         if self.stop_after is not None:
             names = [p.info.name for p in seq]
