@@ -127,7 +127,9 @@ def tune_model(
         raise UsageError("the model has no kernel left for TVM to tune (every layer runs on a tactic library)")
     work_dir = database_dir(spec.target, spec.host)
     work_dir.mkdir(parents=True, exist_ok=True)
-    runner: Any = "local"
+    # generous timeouts: a loaded 2-core build machine needs tens of seconds per popen worker
+    builder = ms.builder.LocalBuilder(timeout_sec=180)
+    runner: Any = ms.runner.LocalRunner(timeout_sec=60)
     if rpc or tracker:
         if not key:
             raise UsageError("--rpc/--tracker need --key KEY, the device key the boards registered with")
@@ -145,6 +147,7 @@ def tune_model(
             work_dir=str(work_dir),
             max_trials_global=trials,
             num_trials_per_iter=min(64, trials),
+            builder=builder,
             runner=runner,
             measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(bar, budget, start)],
         )
