@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from hypothesis import HealthCheck, given, settings
 from graphs import rel_err
 from tvm import relax
 
@@ -26,7 +27,7 @@ from tvm_layerfuse.lowering import layerfuse_pipeline
 from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused
 from tvm_layerfuse.runtime import load
-from tvm_layerfuse.testing import random_cnn, random_inputs, run_onnxruntime, zoo
+from tvm_layerfuse.testing import cnn_graphs, random_cnn, random_inputs, run_onnxruntime, zoo
 
 RTOL = 1e-4
 MISSING = onednn.availability()
@@ -208,3 +209,30 @@ def test_all_zoo_nets_match_onnxruntime(name):
 def test_many_random_graphs_match_onnxruntime(seed):
     err, _ = _run_with_tactic(random_cnn(seed))
     assert err <= RTOL
+
+
+# ---------------------------------------------------------------------- differential fuzzing
+def _differential(case):
+    from tvm_layerfuse.testing.differential import check_case
+
+    res = check_case(case.model, case.feeds, stages=("unfused", "tactics"))
+    assert res.findings == [], "\n".join(f"{f.kind}: {f.detail}" for f in res.findings)
+    assert "tactics" in res.timings  # the tactic stage ran
+
+
+_PROPERTY = dict(deadline=None, derandomize=True, database=None)
+
+
+@needs_onednn
+@settings(max_examples=6, suppress_health_check=list(HealthCheck), **_PROPERTY)
+@given(cnn_graphs(max_layers=6))
+def test_differential_fuzzing_covers_the_tactic_choice(case):
+    _differential(case)
+
+
+@pytest.mark.slow
+@needs_onednn
+@settings(max_examples=120, suppress_health_check=list(HealthCheck), **_PROPERTY)
+@given(cnn_graphs(max_layers=10, max_channels=40))
+def test_differential_fuzzing_covers_the_tactic_choice_widely(case):
+    _differential(case)
