@@ -48,9 +48,9 @@ import onnxruntime as ort
 import tvm
 from tvm import relax
 
+from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
 from tvm_layerfuse.lowering import layerfuse_pipeline
-from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused
 from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo
 

@@ -16,15 +16,15 @@ import onnx
 import pytest
 import tvm
 from hypothesis import HealthCheck, given, settings
-from graphs import rel_err
 from tvm import relax
 
+from graphs import rel_err
 from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.tactics import apply_tactics, format_tactics, onednn
 from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
 from tvm_layerfuse.errors import ArtifactError, BuildError
 from tvm_layerfuse.lowering import layerfuse_pipeline
-from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused
 from tvm_layerfuse.runtime import load
 from tvm_layerfuse.testing import cnn_graphs, random_cnn, random_inputs, run_onnxruntime, zoo
