@@ -43,16 +43,16 @@ def _threads_from_argv() -> str:
 for _var in ("OMP_NUM_THREADS", "TVM_NUM_THREADS"):
     os.environ.setdefault(_var, _threads_from_argv())
 
-import numpy as np
-import onnxruntime as ort
-import tvm
-from tvm import relax
+import numpy as np  # noqa: E402 (after the thread settings)
+import onnxruntime as ort  # noqa: E402 (after the thread settings)
+import tvm  # noqa: E402 (after the thread settings)
+from tvm import relax  # noqa: E402 (after the thread settings)
 
-from tvm_layerfuse.compile.presets import resolve
-from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
-from tvm_layerfuse.lowering import layerfuse_pipeline
-from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused
-from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo
+from tvm_layerfuse.compile.presets import resolve  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.lowering import layerfuse_pipeline  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo  # noqa: E402 (after the thread settings)
 
 MODELS = {  # torchvision's full configurations
     "googlenet": dict(image=224),
@@ -169,7 +169,10 @@ def report(results, args) -> None:
     print(f"# bench_tactics: batch 1, fp32, {args.threads} threads, {args.clock} clock, {args.rounds} interleaved rounds "
           f"(tvm-default: {args.default_rounds}); medians in ms, [min-max]")
     print()
-    print("| model | tvm-default | layerfuse | fusion-off | onnxruntime | layerfuse/ort | fusion-off/layerfuse | oneDNN layers | max rel err |")
+    print(
+        "| model | tvm-default | layerfuse | fusion-off | onnxruntime | layerfuse/ort | fusion-off/layerfuse "
+        "| oneDNN layers | max rel err |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         med = {s: statistics.median(v) for s, v in r["samples"].items()}

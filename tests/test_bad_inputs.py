@@ -575,7 +575,8 @@ def _missing_vendor_library(d: Path) -> None:
 
 def _foreign_cpu(d: Path) -> None:
     """An artifact compiled for a CPU with an extension this one lacks."""
-    _edit_manifest(d, lambda m: m["target"].update(cpu_flags=["avx2", "avx512_nonexistent"], tvm_target={"kind": "llvm", "mcpu": "futurecpu"}))
+    flags, target = ["avx2", "avx512_nonexistent"], {"kind": "llvm", "mcpu": "futurecpu"}
+    _edit_manifest(d, lambda m: m["target"].update(cpu_flags=flags, tvm_target=target))
 
 
 ARTIFACT_CASES = [
@@ -594,7 +595,11 @@ ARTIFACT_CASES = [
     ("manifest declaring a huge input", _huge_input, ("declares shape [100000, 3, 100000, 100000] (3e+15 elements",)),
     ("artifact of another format version", _other_version, ("has format version 99",)),
     ("no manifest", _no_manifest, ("has no manifest.json",)),
-    ("vendor library missing on this machine", _missing_vendor_library, ("needs libdnnl_absent.so.2 (for model.so), which is not installed", "apt-get install -y libdnnl2")),
+    (
+        "vendor library missing on this machine",
+        _missing_vendor_library,
+        ("needs libdnnl_absent.so.2 (for model.so), which is not installed", "apt-get install -y libdnnl2"),
+    ),
     ("compiled for a CPU with more extensions", _foreign_cpu, ("compiled for CPU futurecpu and needs avx512_nonexistent", "cpu-portable")),
 ]
 

@@ -197,7 +197,9 @@ def test_other_targets_keep_tvm_tactics():
 
 @pytest.mark.slow
 @needs_onednn
-@pytest.mark.parametrize("name", ["googlenet", "inception_v3", "resnet50", "squeezenet1_1", "densenet121", "mobilenet_v2", "efficientnet_like"])
+@pytest.mark.parametrize(
+    "name", ["googlenet", "inception_v3", "resnet50", "squeezenet1_1", "densenet121", "mobilenet_v2", "efficientnet_like"]
+)
 def test_all_zoo_nets_match_onnxruntime(name):
     err, layers = _run_with_tactic(getattr(zoo, name)(seed=6))
     assert err <= RTOL and any(c.tactic == "onednn" for c in layers)

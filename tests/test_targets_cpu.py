@@ -5,11 +5,11 @@ import json
 
 import onnx
 import pytest
-from graphs import rel_err, run_ort
 
+from graphs import rel_err, run_ort
 from tvm_layerfuse.compile.build import compile_model
-from tvm_layerfuse.errors import ArtifactError
 from tvm_layerfuse.compile.presets import host_cpu_name, preset_names, resolve
+from tvm_layerfuse.errors import ArtifactError
 from tvm_layerfuse.runtime import load
 from tvm_layerfuse.runtime.tactics import check_cpu, cpu_flags
 from tvm_layerfuse.testing import random_cnn, random_inputs

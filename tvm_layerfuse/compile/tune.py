@@ -114,7 +114,8 @@ def tune_model(
         import psutil
 
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        tgt = tvm.target.Target({**spec.target, "num-cores": cores}, host=spec.host) if spec.host else tvm.target.Target({**spec.target, "num-cores": cores})
+        with_cores = {**spec.target, "num-cores": cores}
+        tgt = tvm.target.Target(with_cores, host=spec.host) if spec.host else tvm.target.Target(with_cores)
     p = make_plan(model, input_shapes=input_shapes)
     mod, params, _ = relax_module(model, plan=p, fuse=True, input_shapes=input_shapes)
     mod, _ = apply_tactics(mod, params, spec, tactics=tactics)

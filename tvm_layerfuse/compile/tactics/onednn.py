@@ -39,7 +39,8 @@ def root() -> Path:
 
 
 def _lib_dirs(prefix: Path) -> list[Path]:
-    return [d for d in (prefix / "lib" / "x86_64-linux-gnu", prefix / "lib" / "aarch64-linux-gnu", prefix / "lib", prefix / "lib64") if d.is_dir()]
+    candidates = (prefix / "lib" / "x86_64-linux-gnu", prefix / "lib" / "aarch64-linux-gnu", prefix / "lib", prefix / "lib64")
+    return [d for d in candidates if d.is_dir()]
 
 
 def availability() -> Optional[str]:
@@ -129,4 +130,5 @@ def implementation(
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.implementation")
-    return str(f(tvm_ffi.Shape(list(x_shape)), tvm_ffi.Shape(list(w_shape)), tvm_ffi.Shape(list(attrs)), bool(residual), float(alpha), float(beta)))
+    shapes = [tvm_ffi.Shape(list(v)) for v in (x_shape, w_shape, attrs)]
+    return str(f(*shapes, bool(residual), float(alpha), float(beta)))
