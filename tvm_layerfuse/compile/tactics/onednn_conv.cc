@@ -28,6 +28,8 @@
 // sampled values) is compared on every call, so new weights at the same address are
 // reordered again instead of being used stale.
 //
+//   layerfuse.onednn.to_blocked  (x, out)        out = x in nChw16c (see Layouts)
+//
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
 //       "jit:avx512_core" or "jit_1x1:avx512_core"; the compiler refuses "ref:" kernels.
@@ -255,6 +257,34 @@ void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape att
   Run(x, w, b, &r, attrs, alpha, beta, out);
 }
 
+// out (nChw16c bytes, [N, C, H, W] type) = x (NCHW): one reorder for a plain tensor that
+// several oneDNN layers read, instead of one inside each of them.
+void ToBlocked(TensorView x, TensorView out) {
+  CheckTensor(x, 4, "input");
+  CheckTensor(out, 4, "output");
+  if (x.shape()[1] % 16 != 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.to_blocked: channels % 16 != 0";
+  try {
+    std::lock_guard<std::mutex> lock(Mutex());
+    static auto* reorders = new std::unordered_map<std::string, dnnl::reorder>();
+    dims d = Dims(x.shape().data(), 4);
+    dnnl::memory::desc plain(d, dt::f32, tag::nchw), blocked(d, dt::f32, tag::nChw16c);
+    std::ostringstream key;
+    for (auto v : d) key << v << ',';
+    auto it = reorders->find(key.str());
+    if (it == reorders->end()) {
+      it = reorders->emplace(key.str(), dnnl::reorder(dnnl::memory(plain, Engine(), nullptr),
+                                                      dnnl::memory(blocked, Engine(), nullptr))).first;
+    }
+    dnnl::stream s(Engine());
+    dnnl::memory src(plain, Engine(), const_cast<float*>(Data(x)));
+    dnnl::memory dst(blocked, Engine(), const_cast<float*>(Data(out)));
+    it->second.execute(s, src, dst);
+    s.wait();
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
 String Implementation(Shape x, Shape w, Shape attrs, bool residual, double alpha, double beta) {
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
@@ -280,6 +310,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   using tvm::ffi::Function;
   Function::SetGlobal("layerfuse.onednn.conv2d", Function::FromTyped(layerfuse_onednn::Conv2d), true);
   Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);
+  Function::SetGlobal("layerfuse.onednn.to_blocked", Function::FromTyped(layerfuse_onednn::ToBlocked), true);
   Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);
   Function::SetGlobal("layerfuse.onednn.version", Function::FromTyped(layerfuse_onednn::Version), true);
 }

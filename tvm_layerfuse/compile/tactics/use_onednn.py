@@ -21,7 +21,8 @@ weights only, so ``LiftTransformParams`` computes them at compile time.
 Layout (``attrs[10:12]``: src / dst blocked): a tensor whose producer and every reader are
 oneDNN layers (as input or residual), with ``C % 16 == 0``, holds oneDNN's blocked
 ``nChw16c`` bytes instead of NCHW (same size and Relax type; no TVM kernel reads it), so
-consecutive convs run with no reorder between them. A residual and the output of the layer
+consecutive convs run with no reorder between them. A plain tensor read by several oneDNN
+layers is reordered once (``layerfuse.onednn.to_blocked``) for all of them. A residual and the output of the layer
 that adds it share a layout (fixed point: a conflict makes both plain). Plain tensors are
 reordered in and out of the primitive's layout inside the library.
 
@@ -342,13 +343,24 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
                     blocked.discard(r)
                     blocked.discard(v)
                     changed = True
+    # A plain tensor that several oneDNN layers read: reordered once (to_blocked), not in each.
+    data_readers: dict = {}
+    for v, (name, args) in calls.items():
+        x = args[0]
+        if isinstance(x, relax.Var) and x not in blocked:
+            data_readers.setdefault(x, []).append(v)
+    shared = {
+        x
+        for x, rs in data_readers.items()
+        if len(rs) >= 2 and static_shape(x) is not None and len(static_shape(x)) == 4 and static_shape(x)[1] % BLOCK == 0
+    }
     by_var = {}
     for v, (name, args) in calls.items():
-        src = isinstance(args[0], relax.Var) and args[0] in blocked
+        src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared)
         by_var[v] = (src, v in blocked)
     _record_layouts(layers, calls, by_var)
     by_call = {b.value: by_var[b.var] for b in bindings if b.var in by_var and any(by_var[b.var])}
-    return _SetLayouts(by_call).visit_expr(func) if by_call else func
+    return _SetLayouts(by_call, shared).visit_expr(func) if by_call else func
 
 
 def _record_layouts(layers: list, calls: dict, by_var: dict) -> None:
@@ -372,9 +384,11 @@ def _record_layouts(layers: list, calls: dict, by_var: dict) -> None:
 
 @relax.expr_functor.mutator
 class _SetLayouts(relax.PyExprMutator):
-    def __init__(self, by_call: dict) -> None:
+    def __init__(self, by_call: dict, shared: set) -> None:
         super().__init__()
         self.by_call = by_call
+        self.shared = shared  # plain tensors reordered once for their oneDNN readers
+        self.blocked_copy: dict = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         flags = self.by_call.get(call)
@@ -384,5 +398,11 @@ class _SetLayouts(relax.PyExprMutator):
         attrs = [int(x) for x in args[-3].values]
         attrs[10], attrs[11] = int(flags[0]), int(flags[1])
         args[-3] = relax.ShapeExpr(attrs)
+        x = args[0]
         args = [self.visit_expr(a) for a in args]
+        if x in self.shared:
+            if x not in self.blocked_copy:
+                copy = relax.call_dps_packed(onednn.TO_BLOCKED, [args[0]], relax.TensorType(list(static_shape(x)), "float32"))
+                self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_nChw16c")
+            args[0] = self.blocked_copy[x]
         return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
