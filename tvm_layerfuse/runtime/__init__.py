@@ -8,7 +8,8 @@
 
 * :mod:`.artifact` - the artifact format (manifest, checksums, atomic write);
 * :mod:`.loader` - :func:`load` / :class:`Runtime`: checks, then loads the library and weights;
-* :mod:`.io` - input files (.npy/.npz/images) and output files (.npz), shared by ``run`` and ``deploy``.
+* :mod:`.io` - input files (.npy/.npz/images) and output files (.npz), shared by ``run`` and ``deploy``;
+* :mod:`.tactics` - the CPU-extension check and the tactic libraries an artifact carries (oneDNN).
 
 Importing this package never imports ``tvm.relax``, onnx or the compiler library: a
 ``bundle`` copies it as it is to a machine that has only the TVM runtime.
