@@ -238,3 +238,18 @@ def test_differential_fuzzing_covers_the_tactic_choice(case):
 @given(cnn_graphs(max_layers=10, max_channels=40))
 def test_differential_fuzzing_covers_the_tactic_choice_widely(case):
     _differential(case)
+
+
+def test_deploy_refuses_an_artifact_with_a_tactic_library_before_uploading(tmp_path):
+    import shutil
+
+    from tvm_layerfuse.deploy.inputs import check_library
+
+    shutil.copyfile(sys.executable, tmp_path / "model.so")  # any x86_64 ELF
+    manifest = {"library": "model.so", "target": {"machine": "x86_64"}, "tactics": {"libraries": []}}
+    check_library(tmp_path, manifest)
+    manifest["tactics"]["libraries"] = [{"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME]}]
+    with pytest.raises(ArtifactError) as e:
+        check_library(tmp_path, manifest)
+    msg = str(e.value)
+    assert "\n" not in msg and onednn.LIBRARY_FILE in msg and "--tactics tvm" in msg and "nothing was uploaded" in msg
