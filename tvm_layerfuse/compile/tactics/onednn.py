@@ -33,6 +33,7 @@ INSTALL_DEV = "apt-get install -y libdnnl-dev"
 LIBRARY_FILE = "tactics_onednn.so"  # its name inside an artifact
 FUNCTIONS = {"conv2d": "layerfuse.onednn.conv2d", "conv2d_add": "layerfuse.onednn.conv2d_add"}
 TO_BLOCKED = "layerfuse.onednn.to_blocked"
+CONCAT = "layerfuse.onednn.concat"
 
 
 def root() -> Path:

@@ -29,6 +29,7 @@
 // reordered again instead of being used stale.
 //
 //   layerfuse.onednn.to_blocked  (x, out)        out = x in nChw16c (see Layouts)
+//   layerfuse.onednn.concat      (x_1, ..., x_k, out)   channel concat of plain NCHW tensors
 //
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
@@ -285,6 +286,31 @@ void ToBlocked(TensorView x, TensorView out) {
   }
 }
 
+// out = concat(x_1, ..., x_k) on the channel axis (NCHW, plain): one memcpy per piece and
+// image - the concatenation of layers whose producers are library calls (TVM's in-place
+// concat only moves TVM kernels' outputs).
+void ConcatChannels(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
+  const int k = args.size() - 1;
+  if (k < 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat: no input";
+  TensorView out = args[k].cast<TensorView>();
+  CheckTensor(out, 4, "output");
+  const int64_t N = out.shape()[0], C = out.shape()[1], HW = out.shape()[2] * out.shape()[3];
+  char* dst = reinterpret_cast<char*>(const_cast<float*>(Data(out)));
+  int64_t offset = 0;  // channels written so far
+  for (int i = 0; i < k; ++i) {
+    TensorView x = args[i].cast<TensorView>();
+    CheckTensor(x, 4, "input");
+    const int64_t Ci = x.shape()[1];
+    if (x.shape()[0] != N || x.shape()[2] * x.shape()[3] != HW || offset + Ci > C)
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat: input " << i << " does not fit the output";
+    const char* src = reinterpret_cast<const char*>(Data(x));
+    for (int64_t n = 0; n < N; ++n)
+      std::memcpy(dst + sizeof(float) * (n * C + offset) * HW, src + sizeof(float) * n * Ci * HW, sizeof(float) * Ci * HW);
+    offset += Ci;
+  }
+  if (offset != C) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat: inputs give " << offset << " channels, not " << C;
+}
+
 String Implementation(Shape x, Shape w, Shape attrs, bool residual, double alpha, double beta) {
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
@@ -310,6 +336,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   using tvm::ffi::Function;
   Function::SetGlobal("layerfuse.onednn.conv2d", Function::FromTyped(layerfuse_onednn::Conv2d), true);
   Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);
+  Function::SetGlobal("layerfuse.onednn.concat", Function::FromPacked(layerfuse_onednn::ConcatChannels), true);
   Function::SetGlobal("layerfuse.onednn.to_blocked", Function::FromTyped(layerfuse_onednn::ToBlocked), true);
   Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);
   Function::SetGlobal("layerfuse.onednn.version", Function::FromTyped(layerfuse_onednn::Version), true);

@@ -26,6 +26,11 @@ layers is reordered once (``layerfuse.onednn.to_blocked``) for all of them. A re
 that adds it share a layout (fixed point: a conflict makes both plain). Plain tensors are
 reordered in and out of the primitive's layout inside the library.
 
+Concatenations: a channel concat (4-d float32, axis 1) with an input made by a oneDNN
+layer cannot be made in place by the lowering (its producers are not TVM kernels), and TVM's
+untuned concat kernel copies element by element; it becomes ``layerfuse.onednn.concat``
+(one ``memcpy`` per piece and image) instead.
+
 The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
 bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_info_str`` not
@@ -114,7 +119,7 @@ class UseOneDNNConv:
         mod = relax.transform.DeadCodeElimination()(mod)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
-                mod[gv] = assign_layouts(func, self.layers)
+                mod[gv] = assign_layouts(copy_concats(func, self.layers), self.layers)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
         return mod
@@ -406,3 +411,47 @@ class _SetLayouts(relax.PyExprMutator):
                 self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_nChw16c")
             args[0] = self.blocked_copy[x]
         return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
+
+
+# ---------------------------------------------------------------------- concatenations
+def copy_concats(func: relax.Function, layers: list) -> relax.Function:
+    """Channel concats with an input from a oneDNN layer -> ``layerfuse.onednn.concat``."""
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    values = {b.var: b.value for b in bindings}
+    from_onednn = {b.var for b in bindings if _onednn_call(b.value) is not None}
+    chosen = {}
+    for b in bindings:
+        v = b.value
+        if _op(v) != "relax.concat":
+            continue
+        fields = v.args[0]
+        if isinstance(fields, relax.Var):
+            fields = values.get(fields, fields)
+        if not isinstance(fields, relax.Tuple):
+            continue
+        items = list(fields.fields)
+        shape = static_shape(b.var)
+        axis = int(v.attrs.axis) if v.attrs.axis is not None else 0
+        if shape is None or len(shape) != 4 or axis not in (1, -3) or dtype_of(b.var) != "float32":
+            continue
+        if not all(isinstance(x, relax.Var) and static_shape(x) is not None for x in items):
+            continue
+        if not any(x in from_onednn for x in items):
+            continue  # TVM producers only: the lowering's in-place concat takes it
+        chosen[v] = items
+        layers.append(LayerChoice(f"concat:{b.var.name}", "copy", kernel="memcpy", shape=f"out{list(shape)}"))
+    return _CopyConcats(chosen).visit_expr(func) if chosen else func
+
+
+@relax.expr_functor.mutator
+class _CopyConcats(relax.PyExprMutator):
+    def __init__(self, chosen: dict) -> None:
+        super().__init__()
+        self.chosen = chosen
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        items = self.chosen.get(call)
+        if items is None:
+            return super().visit_call_(call)
+        args = [self.visit_expr(x) for x in items]
+        return relax.call_dps_packed(onednn.CONCAT, args, relax.TensorType(list(static_shape(call)), "float32"))
