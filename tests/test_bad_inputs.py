@@ -174,6 +174,37 @@ def _training_batchnorm() -> bytes:
     )  # fmt: skip
 
 
+def _reshape_by_runtime_value() -> bytes:
+    """A Reshape whose target is a graph input: onnxruntime accepts it, TVM needs a constant."""
+    w = numpy_helper.from_array((np.random.default_rng(0).standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32), "w")
+    return _bytes(
+        _model(
+            [helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["y", "shape"], ["z"], name="reshape")],
+            [helper.make_tensor_value_info("x", F, [1, 3, 8, 8]),
+             helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+            [helper.make_tensor_value_info("z", F, [4, 64])],
+            [w],
+        )
+    )  # fmt: skip
+
+
+def _resize_with_axes() -> bytes:
+    """Resize-19 with ``axes`` and ``keep_aspect_ratio_policy``: TVM's converter fails on it."""
+    sizes = numpy_helper.from_array(np.array([16, 16], np.int64), "sizes")
+    return _bytes(
+        _model(
+            [helper.make_node("Relu", ["x"], ["y"], name="relu"),
+             helper.make_node("Resize", ["y", "", "", "sizes"], ["z"], name="resize", mode="nearest", axes=[2, 3],
+                              keep_aspect_ratio_policy="not_smaller")],
+            [helper.make_tensor_value_info("x", F, [1, 4, 8, 8])],
+            [helper.make_tensor_value_info("z", F, [1, 4, 16, 16])],
+            [sizes],
+            opset=19,
+        )
+    )  # fmt: skip
+
+
 def _truncated() -> bytes:
     data = _bytes(_conv())
     return data[: len(data) * 2 // 3]
@@ -229,7 +260,16 @@ CASES = [
          ("error", "tensor 'y'", "3e+15 elements"), ("error", "tensor 'y'", "3e+15 elements")),
     Case("op TVM's importer lacks (Celu)", "celu.onnx", lambda: _bytes(_conv(act="Celu", opset=13)),
          ("ok", "note: TVM 0.27's ONNX importer has no converter for Celu (layers 'act')"),
-         ("error", "uses ops TVM's ONNX importer does not support (Celu)")),
+         ("error", "uses ops TVM's ONNX importer does not support (Celu): node 'act' (Celu, opset 13) has no "
+                   "converter", "onnxruntime accepts the model - replace Celu", "report the op to TVM")),
+    Case("shape read from a run-time value", "reshape_runtime.onnx", _reshape_by_runtime_value,
+         ("ok", "0 groups"),
+         ("error", "cannot convert node 'reshape' (Reshape, opset 13)", "its input 'shape' is a run-time value",
+                   "onnxruntime accepts the model - make 'shape' a constant")),
+    Case("converter TVM lacks for an attribute (Resize axes)", "resize_axes.onnx", _resize_with_axes,
+         ("ok", "0 groups"),
+         ("error", "cannot convert node 'resize' (Resize, opset 19)", "Resize2D expects",
+                   "limit of TVM's importer - convert the model to another opset")),
     Case("training-mode BatchNormalization", "train_bn.onnx", _training_batchnorm,
          ("ok", "BatchNormalization 'bn' is in training mode"), ("error", "is in training mode")),
     Case("NaN/Inf weights", "nan.onnx", _nan_weights,
@@ -702,3 +742,18 @@ def test_nonfinite_note_counts_weights_not_infinite_bounds():
     ]
     m.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32), "w"))
     assert "nonfinite_constants" not in plan(m).first.meta
+
+
+def test_tvm_log_lines_reach_the_terminal_only_with_verbose(model_runs):
+    """TVM's importer prints "Error converting operator ..." and, from C++, "BlockBuilder
+    destroyed with remaining blocks!": with -v they are in the debug log, otherwise the user
+    sees our one line (test_bad_model checks that)."""
+    paths, runs = model_runs
+    quiet = runs[("shape read from a run-time value", "compile")]
+    assert "BlockBuilder" not in quiet.stderr and "Error converting" not in quiet.stderr + quiet.stdout
+    model = paths["shape read from a run-time value"]
+    loud = cli("-v", "compile", str(model), "-o", str(model.parent / "out_v"))
+    assert loud.returncode == 2
+    assert "BlockBuilder destroyed with remaining blocks!" in loud.stderr, loud.stderr
+    assert "Error converting operator Reshape" in loud.stderr, loud.stderr
+    assert loud.stderr.strip().splitlines()[-1].startswith("error: TVM's ONNX importer cannot convert node 'reshape'")

@@ -23,6 +23,8 @@ reproducer written out by hand.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -144,9 +146,9 @@ def _alias_model() -> onnx.ModelProto:
 def test_overwrite_violations_catches_an_overwritten_concat_slot_and_later_reader():
     p = plan(_alias_model())
     assert plan_violations(p) == [] and overwrite_violations(p) == []
-    fused = next(l for l in p.second if l.fused.get("extra_input") == "r")
-    assert not fused.fused["overwrite_extra_input"]  # the planner refuses it: 'r' lives in the concat block
-    fused.fused["overwrite_extra_input"] = True  # what the planner bug fixed in 968865d did
+    fused = next(l for l in p.second if l.fused.extra_input == "r")
+    assert not fused.fused.overwrite_extra_input  # the planner refuses it: 'r' lives in the concat block
+    fused.fused = dataclasses.replace(fused.fused, overwrite_extra_input=True)  # what the planner bug fixed in 968865d did
     assert overwrite_violations(p) == [
         "'conv_b' may overwrite 'r', which lives in the block of in-place concat 'cat'",
         "'conv_b' may overwrite 'c' (an alias of 'r' through an in-place concat), a graph output",
@@ -168,7 +170,8 @@ def test_overwrite_violations_catches_an_overwritten_concat_slot_and_later_reade
     )
     p = plan(model)
     assert overwrite_violations(p) == []
-    p.second.layer("conv").fused["overwrite_extra_input"] = True
+    conv = p.second.layer("conv")
+    conv.fused = dataclasses.replace(conv.fused, overwrite_extra_input=True)
     assert overwrite_violations(p) == ["'conv' may overwrite 'r', which ['late'] read later"]
 
 

@@ -232,10 +232,8 @@ def alias_reproducer() -> onnx.ModelProto:
 def test_overwritten_residual_never_lives_in_a_concat_block():
     p = plan(alias_reproducer())
     assert_plan_invariants(p)  # the stated invariants hold ...
-    slots = {t for layer in p.second for t in layer.fused.get("writes_into", {})}
-    overwritten = {
-        layer.fused["extra_input"] for layer in p.second if layer.fused.get("overwrite_extra_input")
-    }
+    slots = {t for layer in p.second for t in layer.fused.writes_into}
+    overwritten = {layer.fused.extra_input for layer in p.second if layer.fused.overwrite_extra_input}
     assert not slots & overwritten  # ... but 'r' is both a concat slot and overwritten
 
 
@@ -260,7 +258,7 @@ def test_batchnorm_is_never_folded_into_run_time_weights():
     assert_plan_invariants(p)
     for layer in p.second:
         if layer.op_type == "Conv" and not p.second.is_constant(layer.inputs[1]):
-            assert not any(e.get("folded") for e in layer.fused.get("epilogue", []))
+            assert not any(e.folded for e in layer.fused.epilogue)
 
 
 def self_overwrite_reproducer() -> onnx.ModelProto:
@@ -283,8 +281,8 @@ def test_fused_conv_never_overwrites_its_own_data_input():
     p = plan(self_overwrite_reproducer())
     assert_plan_invariants(p)
     for layer in p.second:
-        if layer.fused.get("overwrite_extra_input"):
-            assert layer.fused["extra_input"] != layer.inputs[0]  # inputs[0]: the data the conv reads
+        if layer.fused.overwrite_extra_input:
+            assert layer.fused.extra_input != layer.inputs[0]  # inputs[0]: the data the conv reads
 
 
 def name_collision_reproducer() -> onnx.ModelProto:

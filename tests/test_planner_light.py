@@ -77,7 +77,7 @@ def test_resnet50_folds_every_bn_and_moves_every_sum():
 def test_densenet121_every_concat_in_place_and_nested():
     p = plan(light_model("densenet121"))
     assert len(p.groups_of("concat")) == p.first.op_counts()["Concat"] == 58
-    nested = [l for l in p.second if l.op_type == "Concat" and l.fused.get("writes_into")]
+    nested = [l for l in p.second if l.op_type == "Concat" and l.fused.writes_into]
     assert len(nested) == 58 - 4  # the last Concat of each of the 4 dense blocks feeds no Concat
 
 

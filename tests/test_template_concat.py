@@ -96,4 +96,4 @@ def test_nested_concats_share_one_block():
     p = assert_realizes(model)
     assert len(p.groups_of("concat")) == 2
     cat1 = p.second.layer("cat1")
-    assert cat1.fused["writes_into"][c1] == {"concat": "cat2", "axis": 1, "range": [0, 6], "byte_offset": 0}
+    assert cat1.fused.writes_into[c1].to_dict() == {"concat": "cat2", "axis": 1, "range": [0, 6], "byte_offset": 0}

@@ -1,5 +1,8 @@
 """Element-wise template: a residual Add/Sum/Mul moves into a Conv epilogue."""
 
+import dataclasses
+
+import pytest
 
 from graphs import Net, assert_realizes
 from tvm_layerfuse.planner import plan
@@ -28,8 +31,31 @@ def test_resnet_basic_block_moves_add_and_relu_into_conv():
     }
     layer = p.second.layer("c2")
     assert layer.inputs[-1] == x1
-    assert [e["op"] for e in layer.fused["epilogue"]] == ["BatchNormalization", "Add", "Relu"]
+    assert [e.op for e in layer.fused.epilogue] == ["BatchNormalization", "Add", "Relu"]
     assert len(p.second) == 3  # stem, c1, c2 (+bn2 + res + relu)
+
+
+def test_facts_are_frozen_and_keep_their_json_form():
+    n = Net(seed=1)
+    x = n.input("x", (2, 4, 6, 6))
+    x1 = n.relu(n.conv(x, 4, name="stem"))
+    p = plan(n.build([_residual(n, x1)]))
+    before = p.intermediate.layer("c2").fused  # after the vertical merge, before the element-wise one
+    after = p.second.layer("c2").fused
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.extra_input = "y"
+    assert before.extra_input is None and [e.op for e in before.epilogue] == ["BatchNormalization"]
+    bn, add, relu = (e.layer for e in after.epilogue)
+    assert after.to_dict() == {
+        "prologue": [],
+        "epilogue": [
+            {"op": "BatchNormalization", "role": "batchnorm", "layer": bn, "folded": True},
+            {"op": "Add", "role": "residual", "layer": add, "extra_input": x1},
+            {"op": "Relu", "role": "activation", "layer": relu},
+        ],
+        "extra_input": x1,
+        "overwrite_extra_input": True,
+    }
 
 
 def test_sum_and_mul_variants():

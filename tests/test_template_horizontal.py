@@ -55,7 +55,7 @@ def test_split_ranges_address_each_branch_output():
     feeds = feeds_for(model)
     (g,) = p.groups_of("horizontal")
     merged_name = f"{g.layer}::e0"  # the merged conv after its shared Relu
-    outs = [s["output"] for s in p.second.layer(g.layer).fused["split"]]
+    outs = [s.output for s in p.second.layer(g.layer).fused.split]
     got = run_ort(fused, feeds, extra_outputs=[merged_name] + outs)
     whole, parts = got[1], got[2:]
     for s, part in zip(g.details["split"], parts):

@@ -21,7 +21,7 @@ def test_densenet_style_prologue_merges():
     assert g.details["prologue"] == ["BatchNormalization", "Mul", "Add", "Relu"]
     fused = p.second.layer("conv")
     assert fused.inputs[0] == "x"  # the prologue reads the block input directly
-    assert [e["op"] for e in fused.fused["prologue"]] == ["BatchNormalization", "Mul", "Add", "Relu"]
+    assert [e.op for e in fused.fused.prologue] == ["BatchNormalization", "Mul", "Add", "Relu"]
 
 
 def test_prologue_and_epilogue_on_one_conv():

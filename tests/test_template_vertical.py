@@ -54,8 +54,8 @@ def test_separate_bias_add_and_sub_div_fold():
     g = _single_group(p)
     assert g.details["folded"] == ["Add", "Sub", "Div"]
     assert g.details["activation"] is None
-    epilogue = p.second.layer("c").fused["epilogue"]
-    assert epilogue[0]["role"] == "bias"
+    epilogue = p.second.layer("c").fused.epilogue
+    assert epilogue[0].role == "bias"
 
 
 @pytest.mark.parametrize(
@@ -81,8 +81,8 @@ def test_activations(opset, act):
     g = _single_group(p)
     assert g.details["activation"] == act
     if act == "Clip":
-        epi = p.second.layer("c").fused["epilogue"][-1]
-        assert (epi["min"], epi["max"]) == (0.0, 6.0)
+        epi = p.second.layer("c").fused.epilogue[-1]
+        assert (epi.params["min"], epi.params["max"]) == (0.0, 6.0)
     assert len(p.second) == 1
 
 

@@ -68,7 +68,7 @@ def _cluster(graph: TopologyGraph, prefix: str, title: str, *, outline: Optional
             out.append("    }")
     in_place = set()
     for layer in graph if outline is None else outline:
-        for tensor in layer.fused.get("writes_into", {}):
+        for tensor in layer.fused.writes_into:
             in_place.add(tensor)
     for layer in graph:
         label = f"{layer.name}\\n{layer_label(layer) if outline is None else layer.op_type}"

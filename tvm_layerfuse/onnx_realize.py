@@ -9,7 +9,10 @@ as a plain ONNX model, which onnxruntime can run and compare with the original:
 * a horizontal group becomes one ``Conv`` over the channel-concatenated weights, the
   shared activation, and a ``Split`` back into each branch's output tensor;
 * an element-wise group adds (or multiplies) its extra input after the conv's folded
-  bias, then applies its activation;
+  bias, then applies its activation; a squeeze-and-excitation gate multiplies its extra
+  input by the activated conv output (broadcast over H×W);
+* activations are written as ONNX ops where the opset has them (HardSwish >= 14, Gelu >= 20),
+  else as their textbook decompositions (``x * HardSigmoid(x)``, ``x * 0.5 * (1 + Erf(x / √2))``);
 * an in-place ``Concat`` stays a ``Concat`` (ONNX has no aliasing; the offsets are the
   TVM lowering's business).
 
@@ -18,13 +21,14 @@ Folding is done in float64 and cast back to the weights' dtype. Nothing here nee
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Iterable, Optional
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from .planner import FusionPlan
+from .topology.facts import EpilogueOp, LayerFacts, SplitPart
 from .topology.graph import Layer, TopologyGraph
 
 
@@ -43,7 +47,7 @@ def channel_vector(value: np.ndarray, data_rank: int, channels: int) -> np.ndarr
 
 
 def fold_affine(
-    first: TopologyGraph, weight: np.ndarray, bias: np.ndarray, epilogue: list[dict[str, Any]]
+    first: TopologyGraph, weight: np.ndarray, bias: np.ndarray, epilogue: Iterable[EpilogueOp]
 ) -> tuple[np.ndarray, np.ndarray]:
     """Fold the ``folded`` epilogue entries into ``W: [C_out, ...]`` and ``b: [C_out]`` (float64)."""
     w = weight.astype(np.float64)
@@ -51,9 +55,9 @@ def fold_affine(
     c_out = w.shape[0]
     scale_shape = (c_out,) + (1,) * (w.ndim - 1)  # broadcast over [C_out, C_in, kh, kw]
     for entry in epilogue:
-        if not entry.get("folded"):
+        if not entry.folded:
             continue
-        layer = first.layer(entry["layer"])
+        layer = first.layer(entry.layer)
         # The conv output's rank is the weight's (N, C, spatial...); shape inference may have
         # left the tensor's shape unknown (e.g. after a Concat-4 with a negative axis).
         shape = first.tensor(layer.outputs[0]).shape
@@ -91,7 +95,7 @@ class _Writer:
 
     def write(self) -> onnx.ModelProto:
         for layer in self.plan.second:
-            if layer.template and not layer.fused.get("in_place") and layer.op_type == "Conv":
+            if layer.template and not layer.fused.in_place and layer.op_type == "Conv":
                 self._fused_conv(layer)
             else:
                 self._plain(self.first.layer(layer.name) if layer.name in self.first else layer)
@@ -124,15 +128,15 @@ class _Writer:
     def _fused_conv(self, layer: Layer) -> None:
         fused = layer.fused
         x = layer.inputs[0]
-        for entry in fused.get("prologue", []):
-            for name in entry.get("layers", [entry["layer"]]):  # SiLU spans two layers
+        for entry in fused.prologue:
+            for name in entry.layers or (entry.layer,):  # SiLU spans two layers
                 original = self.first.layer(name)
                 self._plain(original)
                 x = original.outputs[0]
-        if "split" in fused:
+        if fused.split:
             weights, biases = [], []
-            for s in fused["split"]:
-                w, b = self._branch_weights(s["branch"], fused["branches"][s["branch"]])
+            for s in fused.split:
+                w, b = self._branch_weights(s.branch, fused.branches[s.branch])
                 weights.append(w)
                 biases.append(b)
             w = np.concatenate(weights, axis=0)  # [sum C_i, C_in, kh, kw]
@@ -140,14 +144,14 @@ class _Writer:
         else:
             w, b = self._branch_weights(layer.name, fused)
         y = self._conv(layer, x, w, b)
-        tail = [e for e in fused.get("epilogue", []) if not e.get("folded")]
-        if "split" in fused:
+        tail = [e for e in fused.epilogue if not e.folded]
+        if fused.split:
             y = self._epilogue(layer, y, tail, final=None)
-            self._split(layer, y, fused["split"])
+            self._split(layer, y, fused.split)
         else:
             self._epilogue(layer, y, tail, final=layer.outputs[0])
 
-    def _branch_weights(self, conv_name: str, fused: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    def _branch_weights(self, conv_name: str, fused: LayerFacts) -> tuple[np.ndarray, np.ndarray]:
         conv = self.first.layer(conv_name)
         w = self.first.tensor(conv.inputs[1]).value()  # [C_out, C_in/g, kh, kw]
         dtype = w.dtype
@@ -155,7 +159,7 @@ class _Writer:
             b = self.first.tensor(conv.inputs[2]).value()
         else:
             b = np.zeros(w.shape[0], dtype=dtype)
-        w2, b2 = fold_affine(self.first, w, b, fused.get("epilogue", []))
+        w2, b2 = fold_affine(self.first, w, b, fused.epilogue)
         return w2.astype(dtype), b2.astype(dtype)
 
     def _conv(self, layer: Layer, x: str, w: np.ndarray, b: np.ndarray) -> str:
@@ -166,24 +170,38 @@ class _Writer:
         self.nodes.append(helper.make_node("Conv", [x, wn, bn], [y], name=f"{layer.name}::conv", **attrs))
         return y
 
-    def _epilogue(self, layer: Layer, y: str, entries: list[dict[str, Any]], *, final: Optional[str]) -> str:
+    def _epilogue(self, layer: Layer, y: str, entries: list[EpilogueOp], *, final: Optional[str]) -> str:
         for k, e in enumerate(entries):
             out = final if (final is not None and k == len(entries) - 1) else f"{layer.name}::e{k}"
-            name = f"{layer.name}::{e['op']}{k}"
-            op = e["op"]
-            if e["role"] in ("residual", "multiply"):
-                kind = "Mul" if e["role"] == "multiply" else "Add"
-                self.nodes.append(helper.make_node(kind, [y, e["extra_input"]], [out], name=name))
+            name = f"{layer.name}::{e.op}{k}"
+            op = e.op
+            if e.role in ("residual", "multiply", "gate", "post_add"):
+                kind = "Add" if e.role in ("residual", "post_add") else "Mul"
+                self.nodes.append(helper.make_node(kind, [y, e.extra_input], [out], name=name))
             elif op == "Relu":
                 self.nodes.append(helper.make_node("Relu", [y], [out], name=name))
             elif op == "LeakyRelu":
-                self.nodes.append(helper.make_node("LeakyRelu", [y], [out], name=name, alpha=e["alpha"]))
+                self.nodes.append(helper.make_node("LeakyRelu", [y], [out], name=name, alpha=e.params["alpha"]))
             elif op == "Clip":
-                self.nodes.append(self._clip(name, y, out, e.get("min"), e.get("max")))
+                self.nodes.append(self._clip(name, y, out, e.params.get("min"), e.params.get("max")))
             elif op == "SiLU":
                 s = f"{layer.name}::sig{k}"
                 self.nodes.append(helper.make_node("Sigmoid", [y], [s], name=name + "_sigmoid"))
                 self.nodes.append(helper.make_node("Mul", [y, s], [out], name=name))
+            elif op == "Sigmoid":
+                self.nodes.append(helper.make_node("Sigmoid", [y], [out], name=name))
+            elif op == "HardSigmoid":
+                self.nodes.append(helper.make_node("HardSigmoid", [y], [out], name=name, alpha=e.params["alpha"], beta=e.params["beta"]))
+            elif op == "HardSwish" and self.opset >= 14:
+                self.nodes.append(helper.make_node("HardSwish", [y], [out], name=name))
+            elif op == "HardSwish":  # x * HardSigmoid(x) with alpha 1/6, beta 1/2
+                s = f"{layer.name}::hsig{k}"
+                self.nodes.append(helper.make_node("HardSigmoid", [y], [s], name=name + "_hsig", alpha=1 / 6, beta=0.5))
+                self.nodes.append(helper.make_node("Mul", [y, s], [out], name=name))
+            elif op == "PRelu":
+                self.nodes.append(helper.make_node("PRelu", [y, e.params["slope"]], [out], name=name))
+            elif op == "Gelu":
+                self._gelu(name, y, out, e.params.get("approximate", "none"))
             else:  # pragma: no cover - templates produce only the ops above
                 raise ValueError(f"unknown epilogue op {op}")
             y = out
@@ -191,6 +209,24 @@ class _Writer:
             self.nodes.append(helper.make_node("Identity", [y], [final], name=f"{layer.name}::out"))
             y = final
         return y
+
+    def _gelu(self, name: str, x: str, out: str, approximate: str) -> None:
+        if self.opset >= 20:
+            self.nodes.append(helper.make_node("Gelu", [x], [out], name=name, approximate=approximate))
+            return
+        if approximate != "none":  # pragma: no cover - Gelu with approximate exists only from opset 20
+            raise ValueError(f"Gelu approximate={approximate!r} needs opset 20")
+        consts = {"sqrt2": 2**0.5, "one": 1.0, "half": 0.5}
+        for tag, v in consts.items():
+            self.inits[f"{name}::{tag}"] = np.array(v, dtype=np.float32)
+        t = [f"{name}::t{i}" for i in range(4)]
+        self.nodes += [
+            helper.make_node("Div", [x, f"{name}::sqrt2"], [t[0]], name=name + "_div"),
+            helper.make_node("Erf", [t[0]], [t[1]], name=name + "_erf"),
+            helper.make_node("Add", [t[1], f"{name}::one"], [t[2]], name=name + "_add"),
+            helper.make_node("Mul", [x, t[2]], [t[3]], name=name + "_mul"),
+            helper.make_node("Mul", [t[3], f"{name}::half"], [out], name=name),
+        ]
 
     def _clip(self, name: str, x: str, out: str, lo: Optional[float], hi: Optional[float]) -> onnx.NodeProto:
         if self.opset < 11:
@@ -209,9 +245,9 @@ class _Writer:
             names.pop()
         return helper.make_node("Clip", [x] + names, [out], name=name)
 
-    def _split(self, layer: Layer, y: str, split: list[dict[str, Any]]) -> None:
-        sizes = [s["channels"][1] - s["channels"][0] for s in split]
-        outs = [s["output"] for s in split]
+    def _split(self, layer: Layer, y: str, split: Iterable[SplitPart]) -> None:
+        sizes = [s.channels[1] - s.channels[0] for s in split]
+        outs = [s.output for s in split]
         name = f"{layer.name}::split"
         if self.opset >= 13:
             sn = f"{name}::sizes"

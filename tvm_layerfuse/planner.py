@@ -41,6 +41,19 @@ compares it with the installed TVM's converter map, so a TVM upgrade that adds o
 converters shows up as a failing test, not as a stale note."""
 
 
+CONSTANT_FILL_NOTE = "weights are constant fills"
+
+
+def constant_fill_note(weights: int) -> str:
+    """The note for a model whose every Conv/Gemm weight is one value repeated."""
+    return (
+        f"{CONSTANT_FILL_NOTE}: all {weights} Conv/Gemm weights hold one value each (ConstantOfShape), as the "
+        "onnx package ships its model-zoo networks without trained weights; every input gives (nearly) the same "
+        "output, so a classifier shows every class at the same probability (1/1000 = 0.0010) - this is expected, "
+        "not a compile error; compile a trained model to see real classes"
+    )
+
+
 def tvm_unsupported_layers(graph: TopologyGraph) -> list[tuple[str, str]]:
     """``(layer name, op type)`` of the default-domain layers TVM's ONNX importer cannot convert."""
     return [(l.name, l.op_type) for l in graph if not l.domain and l.op_type in TVM_UNSUPPORTED_ONNX_OPS]
@@ -66,7 +79,7 @@ class FusionPlan:
 
     def counts(self) -> dict[str, Any]:
         """Headline numbers of the plan."""
-        in_place = [l for l in self.second if l.fused.get("in_place")]
+        in_place = [l for l in self.second if l.fused.in_place]
         return {
             "layers_first": len(self.first),
             "layers_intermediate": len(self.intermediate),
@@ -84,6 +97,14 @@ class FusionPlan:
         """Facts about the model that limit fusion or compilation (ops ONNX does not define,
         ops TVM's importer cannot convert, weights holding NaN/Inf)."""
         notes = []
+        folding = self.first.meta.get("shape_folding")
+        if folding:
+            from .topology.shape_folding import ShapeFolding
+
+            notes.append(ShapeFolding(**folding).summary())
+        filled = self.first.meta.get("constant_fill_weights")
+        if filled:
+            notes.append(constant_fill_note(filled["weights"]))
         unknown = self.first.meta.get("unknown_ops", [])
         if unknown:
             notes.append(f"ops ONNX does not define are kept as opaque layers, never fused: {', '.join(unknown)}")
@@ -116,6 +137,8 @@ class FusionPlan:
             "refusals": [r.to_dict() for r in self.refusals],
             "notes": self.graph_notes(),
         }
+        if self.first.meta.get("shape_folding"):
+            out["shape_folding"] = self.first.meta["shape_folding"]
         if graphs:
             out["first_graph"] = self.first.to_dict()
             out["second_graph"] = self.second.to_dict()

@@ -73,11 +73,11 @@ def shape_str(shape: Optional[Sequence[Optional[int]]]) -> str:
 def layer_label(layer: Layer) -> str:
     """``Conv+BatchNormalization+Relu`` for a fused layer, the op type otherwise."""
     f = layer.fused
-    if f.get("in_place"):
+    if f.in_place:
         return f"{layer.op_type}(in place)"
-    parts = [e["op"] for e in f.get("prologue", [])] + [layer.op_type] + [e["op"] for e in f.get("epilogue", [])]
-    if f.get("split"):
-        return f"{len(f['split'])}x" + "+".join(parts) + "(merged)"
+    parts = [e.op for e in f.prologue] + [layer.op_type] + [e.op for e in f.epilogue]
+    if f.split:
+        return f"{len(f.split)}x" + "+".join(parts) + "(merged)"
     return "+".join(parts)
 
 
@@ -91,9 +91,9 @@ def graph_table(graph: TopologyGraph) -> str:
         notes = []
         if len(layer.members) > 1:
             notes.append(f"{len(layer.members)} layers")
-        for tensor, w in layer.fused.get("writes_into", {}).items():
-            off = "strided" if w["byte_offset"] is None else f"@{w['byte_offset']}B"
-            notes.append(f"{tensor}->{w['concat']}[{w['range'][0]}:{w['range'][1]}]{off}")
+        for tensor, w in layer.fused.writes_into.items():
+            off = "strided" if w.byte_offset is None else f"@{w.byte_offset}B"
+            notes.append(f"{tensor}->{w.concat}[{w.range[0]}:{w.range[1]}]{off}")
         if layer.attrs.get("_unknown_op"):
             notes.append("unknown op, left unfused")
         rows.append(

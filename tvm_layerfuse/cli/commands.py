@@ -160,7 +160,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         fusion = manifest["fusion"]
         tactics = manifest.get("tactics") or {}
         if tactics.get("counts"):
-            print("tactics: " + ", ".join(f"{k} {v} conv layers" for k, v in sorted(tactics["counts"].items())))
+            print("tactics: " + ", ".join(f"{k} {v} layers" for k, v in sorted(tactics["counts"].items())))
         if fusion.get("plan"):
             c = fusion["plan"]
             print(
@@ -173,6 +173,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 f"kernel launches per inference: {kernels['kernels']}; concatenate copies left: "
                 f"{kernels['concat_kernels']} ({kernels['concat_bytes_copied']} bytes)"
             )
+        from ..planner import CONSTANT_FILL_NOTE
+
+        for note in manifest["model"].get("notes", []):
+            if note.startswith(CONSTANT_FILL_NOTE):
+                print(f"note: {note}")
     return 0
 
 

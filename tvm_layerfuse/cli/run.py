@@ -24,6 +24,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN, metavar=("R", "G", "B"))
     p.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD, metavar=("R", "G", "B"))
     p.add_argument("--benchmark", type=int, default=0, metavar="N", help="also time N runs (median/min/max)")
+    p.add_argument(
+        "--compare",
+        metavar="ARTIFACT",
+        help="also run this artifact (e.g. the --no-fuse build of the same model) on the same inputs and "
+        "print how far its outputs are from these",
+    )
 
 
 def run_artifact(args: argparse.Namespace, artifact_dir: Path, *, say=print) -> int:
@@ -38,10 +44,32 @@ def run_artifact(args: argparse.Namespace, artifact_dir: Path, *, say=print) -> 
         write_outputs(args.output, outputs)
         say(f"wrote {args.output}")
     print(summarize(outputs, top=args.top))
+    if getattr(args, "compare", None):
+        print(compare_text(outputs, load(Path(args.compare), device=args.device).run(inputs), other=args.compare))
+    for note in rt.manifest.get("model", {}).get("notes", []):
+        if note.startswith("weights are constant fills"):  # explains a flat top-5 where it is printed
+            print(f"note: {note}")
     if args.benchmark:
         t = rt.benchmark(inputs, repeat=args.benchmark)
         print(f"latency over {t['repeat']} runs: median {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}, max {t['max_ms']:.3f})")
     return 0
+
+
+def compare_text(outputs: dict, others: dict, *, other: str) -> str:
+    """One line per output: the largest difference from the other artifact's output,
+    absolute and relative to the largest magnitude (fp32 builds of one model agree to ~1e-6)."""
+    import numpy as np
+
+    lines = []
+    for name, y in outputs.items():
+        z = others.get(name)
+        if z is None or z.shape != y.shape:
+            lines.append(f"{name}: {other} has no output of shape {list(y.shape)} under this name")
+            continue
+        diff = float(np.max(np.abs(y.astype(np.float64) - z))) if y.size else 0.0
+        rel = diff / max(float(np.max(np.abs(y))) if y.size else 0.0, 1e-30)
+        lines.append(f"{name}: {other} agrees on these inputs: max |diff| {diff:.3g}, relative {rel:.3g}")
+    return "\n".join(lines)
 
 
 def bundle_main(argv: Optional[Sequence[str]] = None, *, artifact_dir: Path) -> int:

@@ -269,6 +269,7 @@ def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model)
         "model": {
             "name": p.model,
             "sha256": artifact.sha256_file(source) if source is not None and source.is_file() else None,
+            "notes": p.graph_notes(),  # facts about the model that explain its outputs (run prints them)
         },
         "target": spec.to_dict(),
         "fused": fuse,

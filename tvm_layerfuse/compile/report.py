@@ -79,7 +79,13 @@ def compare(
         sides[name] = report
     baseline, ours = sides["default"], sides["layerfuse"]
     horizontal = result.report.horizontal
-    return {"default": baseline, "layerfuse": ours, "parallel_conv_groups": len(horizontal.merged) if horizontal else 0}
+    return {
+        "default": baseline,
+        "layerfuse": ours,
+        "parallel_conv_groups": len(horizontal.merged) if horizontal else 0,
+        # element-wise ops the plan left after a planned kernel, joined to it as FuseOps would
+        "absorbed_elementwise": sum(len(a["ops"]) for a in result.report.absorbed),
+    }
 
 
 def text(report: dict[str, Any]) -> str:
@@ -100,4 +106,9 @@ def text(report: dict[str, Any]) -> str:
         ratio = f"{b / a:.2f}" if a else "-"
         lines.append(f"{label:<{width}}  {a:>14,}  {b:>14,}  {ratio:>6}")
     lines.append(f"parallel-conv groups merged: {report['parallel_conv_groups']}")
+    if report.get("absorbed_elementwise"):
+        lines.append(
+            f"element-wise ops the plan left, joined to the preceding planned kernel (as TVM's FuseOps would): "
+            f"{report['absorbed_elementwise']}"
+        )
     return "\n".join(lines)

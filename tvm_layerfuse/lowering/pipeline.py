@@ -37,7 +37,7 @@ from __future__ import annotations
 import importlib
 import logging
 import re
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import tvm
@@ -48,6 +48,9 @@ from ..relax._ir import as_target, default_target
 from . import _tir
 from .inplace_concat import InPlaceConcat, InPlaceReport
 from .split_outputs import SplitOutputBuffers, SplitReport
+
+if TYPE_CHECKING:
+    from ..planner import FusionPlan
 
 log = logging.getLogger(__name__)
 
@@ -436,16 +439,15 @@ def format_concat_report(ours: dict, default: Optional[dict] = None) -> str:
     return line + ")"
 
 
-def plan_check(plan: Any, report: Union[InPlaceReport, dict]) -> dict[str, Any]:
+def plan_check(plan: Optional[FusionPlan], report: InPlaceReport) -> dict[str, Any]:
     """The plan's in-place concats next to what the lowering did (counts; a mismatch is logged).
 
     The lowering also finds concats the plan did not mark (it checks the same conditions on
     the Relax module) and concats ``FuseOps`` already fused into a consumer disappear
     before it runs, so the numbers may differ for good reasons; the report says which."""
-    rep = report if isinstance(report, dict) else report.to_dict()
     planned = len(plan.groups_of("concat")) if plan is not None else None
-    done = int(rep.get("in_place", 0)) + int(rep.get("nested_views", 0))
-    out = {"plan_in_place": planned, "lowering_in_place": done, "lowering_fallback": int(rep.get("fallback", 0))}
+    done = len(report.in_place)  # block roots and the views nested in them
+    out = {"plan_in_place": planned, "lowering_in_place": done, "lowering_fallback": len(report.fallback)}
     if planned is not None and planned != done:
         log.info("concat: the plan marks %d concat(s) in place, the lowering made %d free", planned, done)
     return out

@@ -2,14 +2,21 @@
 
 The group, per output element (NCHW shown; the fusion itself is layout-agnostic)::
 
-    y = act( conv2d(x, W) [+ b]  [+ r | * r] )
+    y = act( conv2d(x, W) [+ b]  [+ r | * r] )        residual / multiply
+    y = act( conv2d(x, W) [+ b] ) * g                  gate (squeeze-and-excitation)
+    y = act( conv2d(x, W) [+ b] ) + r                  post_add (YOLO's bottleneck shortcut)
 
 * ``b``: a compile-time operand (the bias, or the folded BatchNorm shift);
 * ``r``: a run-time operand, the *extra input* of the element-wise merge (the ResNet
   residual ``Add``, or a ``Mul`` such as a squeeze-excitation scale); the fused function
   takes it as one more argument;
+* ``g``: a gate: the conv output is ``[N, C, 1, 1]`` and is broadcast over the feature
+  map ``g: [N, C, H, W]`` it multiplies (the group's result has ``g``'s shape);
 * ``act``: ``relu``, ``clip`` (``minimum(maximum(z, lo), hi)``, either half alone, or
-  ``R.clip``), ``leakyrelu``, ``silu`` (``z * sigmoid(z)``).
+  ``R.clip``), ``leakyrelu``, ``silu`` (``z * sigmoid(z)``), ``sigmoid``, ``hardsigmoid``
+  (``clip(a*z + b, 0, 1)``), ``hardswish`` (as TVM imports the op: ``z * (clip(z + 3, 0,
+  6) / 6)``; ``z * hardsigmoid(z)``; ``z * clip(z + 3, 0, 6) / 6``), ``prelu``, ``gelu``
+  (``R.nn.gelu``, ``R.nn.gelu_tanh``, or ``z * (erf(z / √2) + 1) * 0.5``).
 
 Each group becomes a private Relax function with ``{"Composite": <template>,
 "Primitive": True}`` named after its template, e.g. ``layerfuse_conv2d_bias_relu`` or
@@ -44,14 +51,20 @@ from ._ir import FunctionFacts, is_primitive, relax_functions, static_shape
 log = logging.getLogger(__name__)
 
 PREFIX = "layerfuse_conv2d"
-ACTIVATIONS = ("relu", "clip", "leakyrelu", "silu")
-RESIDUALS = {"add": "relax.add", "mul": "relax.multiply"}
+ACTIVATIONS = ("relu", "clip", "leakyrelu", "silu", "sigmoid", "hardsigmoid", "hardswish", "prelu", "gelu")
+RESIDUALS = {"add": "relax.add", "mul": "relax.multiply", "gate": "relax.multiply", "post_add": "relax.add"}
+# (plan, group) activations that are the same function once FoldAffineIntoConv2D has run:
+# HardSigmoid is clip(a*z + b, 0, 1), and when the conv's chain folds (it has a BatchNorm),
+# a*z + b folds into the conv's weight and bias like any per-channel affine op.
+SAME_ACTIVATION = {("hardsigmoid", "clip")}
+# The residual kinds applied after the activation (the others come before it).
+AFTER_ACTIVATION = ("gate", "post_add")
 
 
 @dataclass(frozen=True)
 class EpilogueSpec:
-    """What the plan merges into one conv: the element-wise op (None, "add", "mul") and the
-    activation (None or one of ``ACTIVATIONS``)."""
+    """What the plan merges into one conv: the element-wise op (None, "add", "mul", "gate") and
+    the activation (None or one of ``ACTIVATIONS``)."""
 
     residual: Optional[str] = None
     activation: Optional[str] = None
@@ -61,10 +74,12 @@ def template_name(*, bias: bool, residual: Optional[str], activation: Optional[s
     parts = [PREFIX]
     if bias:
         parts.append("bias")
-    if residual:
+    if residual and residual not in AFTER_ACTIVATION:
         parts.append(residual)
     if activation:
         parts.append(activation)
+    if residual in AFTER_ACTIVATION:
+        parts.append(residual)
     return "_".join(parts)
 
 
@@ -73,10 +88,40 @@ def _activation_patterns(z: DFPattern) -> dict[str, list[tuple[DFPattern, dict[s
     lo, hi = wildcard(), wildcard()
     lo1, hi1 = wildcard(), wildcard()
     sig = is_op("relax.sigmoid")(z)
+    div = is_op("relax.divide")
+
+    def mul(a: DFPattern, b: DFPattern) -> DFPattern:  # either operand order (importers differ)
+        return is_op("relax.multiply")(a, b) | is_op("relax.multiply")(b, a)
+
+    def add(a: DFPattern, b: DFPattern) -> DFPattern:
+        return is_op("relax.add")(a, b) | is_op("relax.add")(b, a)
+
+    def clipped(e: DFPattern) -> DFPattern:  # R.clip, or minimum(maximum()) of a Clip with inputs
+        return is_op("relax.clip")(e, wildcard(), wildcard()) | is_op("relax.minimum")(
+            is_op("relax.maximum")(e, wildcard()), wildcard()
+        )
+
+    hardsigmoid = clipped(add(mul(wildcard(), z), wildcard()))  # clip(a*z + b, 0, 1)
+    relu6_plus3 = clipped(add(z, wildcard()))  # clip(z + 3, 0, 6)
+    erf_half = add(is_op("relax.erf")(div(z, wildcard())), wildcard())  # erf(z / √2) + 1
     return {
         "relu": [(is_op("relax.nn.relu")(z), {})],
         "leakyrelu": [(is_op("relax.nn.leakyrelu")(z), {})],
         "silu": [(is_op("relax.multiply")(z, sig), {}), (is_op("relax.nn.silu")(z), {})],
+        "sigmoid": [(sig, {})],
+        "hardsigmoid": [(hardsigmoid, {})],
+        "hardswish": [
+            (mul(z, div(relu6_plus3, wildcard())), {}),  # the HardSwish op as TVM imports it
+            (div(mul(z, relu6_plus3), wildcard()), {}),  # x * Clip(x + 3, 0, 6) / 6
+            (mul(z, hardsigmoid), {}),  # x * HardSigmoid(x)
+        ],
+        "prelu": [(is_op("relax.nn.prelu")(z, wildcard()), {})],
+        "gelu": [
+            (is_op("relax.nn.gelu")(z), {}),
+            (is_op("relax.nn.gelu_tanh")(z), {}),
+            (mul(mul(z, erf_half), wildcard()), {}),  # (x * (1 + erf(x/√2))) * 0.5
+            (mul(mul(z, wildcard()), erf_half), {}),  # (x * 0.5) * (1 + erf(x/√2))
+        ],
         "clip": [
             (is_op("relax.minimum")(is_op("relax.maximum")(z, lo), hi), {"lo": lo, "hi": hi}),
             (is_op("relax.clip")(z, wildcard(), wildcard()), {}),
@@ -112,15 +157,25 @@ def _chain_patterns(bias: bool, residual: Optional[str], activation: Optional[st
         b = wildcard()
         z = is_op("relax.add")(z, b)
         notes.update(bias=b, bias_add=z)
-    if residual:
+    if residual and residual not in AFTER_ACTIVATION:
         r = wildcard()
         z = is_op(RESIDUALS[residual])(z, r)
         notes.update(residual=r, residual_op=z)
     if activation is None:
+        if residual == "gate":  # a gate without an activation
+            r = wildcard()
+            z = is_op(RESIDUALS[residual])(z, r)
+            notes.update(residual=r, residual_op=z)
         yield z, notes
         return
     for pattern, extra in _activation_patterns(z)[activation]:
-        yield pattern, {**notes, **extra}
+        if residual in AFTER_ACTIVATION:
+            r = wildcard()
+            op = is_op(RESIDUALS[residual])
+            gated = op(pattern, r) | op(r, pattern)  # exporters write either operand order
+            yield gated, {**notes, **extra, "residual": r, "residual_op": gated}
+        else:
+            yield pattern, {**notes, **extra}
 
 
 def _bind_check(check, name, bias, residual, activation):
@@ -212,12 +267,17 @@ class FuseConv2DEpilogue:
             outside = [u.name for u in users if u not in inside]
             if outside:
                 return f"{var.name} is also read by {', '.join(outside)}"
-        # 2. the epilogue never broadcasts beyond the conv output
+        # 2. the epilogue never broadcasts beyond the conv output (a gate: only its last multiply)
         out_shape = static_shape(conv)
         if out_shape is None:
             return "the conv2d output shape is not static"
         for var in inside:
             shape = static_shape(var)
+            if residual == "gate" and var.same_as(root_var):
+                gate = static_shape(notes["residual"])
+                if not _is_gate(out_shape, gate) or shape != gate:
+                    return f"the gate {list(gate) if gate else '?'} is not a [N, C, ...] map of the conv's [N, C, 1, 1]"
+                continue
             if shape != out_shape:
                 return f"{var.name} has shape {list(shape) if shape else '?'}, the conv output {list(out_shape)}"
         # 3. operands: the bias and clip bounds are compile-time, the extra input is not
@@ -236,7 +296,7 @@ class FuseConv2DEpilogue:
                 return f"the fusion plan has no epilogue for the conv with weight {weights}"
             if spec.residual != residual:
                 return f"the plan merges element-wise op {spec.residual!r}, this group {residual!r}"
-            if spec.activation != activation:
+            if spec.activation != activation and (spec.activation, activation) not in SAME_ACTIVATION:
                 return f"the plan merges activation {spec.activation!r}, this group {activation!r}"
         return None
 
@@ -303,6 +363,13 @@ class FuseConv2DEpilogue:
                 )
 
 
+def _is_gate(conv_shape, gate_shape) -> bool:
+    """``[N, C, 1, 1]`` conv output broadcast over a ``[N, C, H, W]`` map (H, W may be 1 too)."""
+    if conv_shape is None or gate_shape is None or len(conv_shape) != len(gate_shape) or len(conv_shape) < 3:
+        return False
+    return conv_shape[:2] == gate_shape[:2] and all(d == 1 for d in conv_shape[2:])
+
+
 def _group_arguments(callee: relax.Function, args, facts: FunctionFacts):
     """The caller's weight argument and the name of the extra input (the run-time operand
     of the residual add/mul, which may also be the conv's data, as in ``conv(x) + x``)."""
@@ -317,12 +384,14 @@ def _group_arguments(callee: relax.Function, args, facts: FunctionFacts):
         if op == "relax.nn.conv2d":
             weight_arg = arg_of.get(value.args[1])
             chain = binding.var
-        elif chain is not None and op in RESIDUALS.values() and any(a.same_as(chain) for a in value.args):
-            other = next(a for a in value.args if not a.same_as(chain))
-            caller = arg_of.get(other)
+        elif chain is not None and any(a.same_as(chain) for a in value.args):
+            # the chain goes on (bias, activation steps, the residual op or the gate)
+            others = [a for a in value.args if not a.same_as(chain)]
             chain = binding.var
-            if caller is not None and not facts.is_static(caller):
-                extra = caller.name if isinstance(caller, relax.Var) else str(caller)
+            if op in RESIDUALS.values() and len(others) == 1:
+                caller = arg_of.get(others[0])
+                if caller is not None and not facts.is_static(caller):
+                    extra = caller.name if isinstance(caller, relax.Var) else str(caller)
     return weight_arg, extra
 
 

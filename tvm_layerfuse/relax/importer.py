@@ -2,7 +2,8 @@
 
 Steps::
 
-    read_onnx                 first topology graph (checks the model, fixes input shapes)
+    read_onnx                 first topology graph (checks the model, fixes input shapes,
+                              folds shape arithmetic: topology/shape_folding.py)
     materialize_constants     ConstantOfShape/Constant weight chains -> initializers
     canonicalize (ONNX)       Sum(a, b, ...) -> Add(Add(a, b), ...)
     from_onnx(keep_params_in_input=True)
@@ -27,7 +28,14 @@ Why the two canonicalisations (both compute exactly the same function):
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
 import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -69,6 +77,8 @@ def import_onnx(
         model, label = load_model(model_or_path), Path(model_or_path).name
     graph = read_onnx(model, input_shapes=input_shapes, name=label)
     _refuse_training_mode(graph)
+    if graph.source is not None:  # input shapes fixed, shape arithmetic folded: what the graph describes
+        model = graph.source
     prepared = _integer_initializers_as_constants(materialize_constants(model, graph))
     if canonicalize:
         prepared = _sum_to_add(prepared)
@@ -106,24 +116,141 @@ def _refuse_training_mode(graph: TopologyGraph) -> None:
 
 
 def _from_onnx(model: onnx.ModelProto, *, label: str, shape_dict: dict, dtype_dict: dict) -> tvm.IRModule:
-    import tvm.relax.frontend.onnx  # noqa: F401  (registers the frontend; not imported by tvm.relax)
+    """TVM's ``from_onnx``, with the failing node found when it fails (see :func:`_diagnose`).
 
-    try:
-        return tvm.relax.frontend.onnx.from_onnx(
-            model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True
+    TVM's importer prints its own lines (``Error converting operator ...`` on stdout, the
+    C++ ``BlockBuilder destroyed with remaining blocks!`` warning on stderr when the
+    half-built function is dropped): they go to this module's debug log (``-v``), never
+    straight to the terminal."""
+    import tvm.relax.frontend.onnx as frontend
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    failure: Optional[_ImportFailure] = None
+    with _native_output_to_log("TVM's ONNX importer"):
+        importer = frontend.onnx_frontend.ONNXGraphImporter(
+            shape_dict, dtype_dict, keep_params_in_input=True, sanitize=True
         )
-    except tvm.error.OpNotImplemented as e:
-        detail = first_line(e, last=True).split(":", 1)[-1].strip()
-        raise UnsupportedOpError(
-            f"model {label!r} uses ops TVM's ONNX importer does not support ({detail}); "
-            "expected ops TVM 0.27 converts - replace them (e.g. re-export with a lower opset) or "
-            "register a converter in tvm.relax.frontend.onnx"
-        ) from None
-    except Exception as e:  # the importer raises ValueError, TVMError, KeyError ... for bad input
-        raise RelaxImportError(
-            f"TVM's ONNX importer failed on model {label!r}: {type(e).__name__}: {first_line(e, last=True)}; "
-            "check that onnx.checker and onnxruntime accept the model"
-        ) from None
+        try:
+            mod = importer.from_onnx(model.graph, opset)
+        except Exception as e:  # the importer raises ValueError, TypeError, TVMError ... for what it lacks
+            failure = _ImportFailure.of(e, model, converted=set(importer._nodes))
+        del importer  # the half-built BlockBuilder logs its warning now, inside the capture
+        gc.collect()
+    if failure is not None:
+        raise failure.error(model, label=label, opset=opset)
+    return mod
+
+
+@dataclass
+class _ImportFailure:
+    """Where and why TVM's importer stopped (plain data: the exception and the half-built
+    importer are dropped before the error is raised)."""
+
+    kind: str  # "no converter" | "converter"
+    detail: str  # TVM's own words (last line), e.g. "Reshape requires the input new shape to be Shape ..."
+    exc_type: str
+    node: Optional[onnx.NodeProto] = None
+    index: int = -1
+
+    @classmethod
+    def of(cls, e: BaseException, model: onnx.ModelProto, *, converted: set[str]) -> "_ImportFailure":
+        detail = first_line(e, last=True)
+        nodes = list(model.graph.node)
+        if isinstance(e, tvm.error.OpNotImplemented):
+            ops = [op.strip() for op in detail.split(":", 1)[-1].split(",")]
+            k = next((i for i, n in enumerate(nodes) if n.op_type in ops), -1)
+            return cls("no converter", ", ".join(ops), type(e).__name__, nodes[k] if k >= 0 else None, k)
+        # the importer converts nodes in order: the first whose outputs it lacks is the one
+        k = next((i for i, n in enumerate(nodes) if any(o and o not in converted for o in n.output)), -1)
+        return cls("converter", detail, type(e).__name__, nodes[k] if k >= 0 else None, k)
+
+    def error(self, model: onnx.ModelProto, *, label: str, opset: int) -> LayerfuseError:
+        node = self.node
+        where = f"node {node.name or node.output[0]!r} ({node.op_type}, opset {opset})" if node is not None else "a node"
+        ort_fails = _onnxruntime_refusal(model)
+        if ort_fails:
+            return RelaxImportError(
+                f"TVM's ONNX importer failed at {where} of model {label!r} ({self.exc_type}: {self.detail}), "
+                f"and onnxruntime refuses the model too ({ort_fails}); expected a model onnxruntime accepts - "
+                "fix the export"
+            )
+        runs = "onnxruntime accepts the model" if ort_fails is not None else "onnxruntime was not checked"
+        if self.kind == "no converter":
+            op = node.op_type if node is not None else self.detail
+            return UnsupportedOpError(
+                f"model {label!r} uses ops TVM's ONNX importer does not support ({self.detail}): {where} has no "
+                f"converter in TVM {tvm.__version__.split('.post')[0]}; {runs} - replace {op} (another export, "
+                "or onnx's function expansion) or report the op to TVM (github.com/apache/tvm/issues)"
+            )
+        run_time = _run_time_shape_input(model, node) if node is not None else None
+        if run_time is not None:
+            return RelaxImportError(
+                f"TVM's ONNX importer cannot convert {where} of model {label!r}: its input {run_time!r} is "
+                f"a run-time value (it depends on input data, not only on input sizes), and TVM needs a constant ({self.detail}); {runs} - "
+                f"make {run_time!r} a constant of the model (every input size fixed with --input-shape folds "
+                "shape arithmetic, not data) or report the op to TVM (github.com/apache/tvm/issues)"
+            )
+        return RelaxImportError(
+            f"TVM's ONNX importer cannot convert {where} of model {label!r} ({self.exc_type}: {self.detail}); "
+            f"{runs}, so this is a limit of TVM's importer - convert the model to another opset "
+            "(onnx.version_converter.convert_version(model, 17)), change that node, or report the op to TVM "
+            "(github.com/apache/tvm/issues)"
+        )
+
+
+# Inputs that must be compile-time values for TVM: (op type, input index).
+_SHAPE_INPUTS = {
+    ("Reshape", 1), ("Expand", 1), ("Tile", 1), ("ConstantOfShape", 0), ("Resize", 1), ("Resize", 2),
+    ("Resize", 3), ("Upsample", 1), ("Slice", 1), ("Slice", 2), ("Slice", 3), ("Slice", 4), ("Range", 0),
+    ("Range", 1), ("Range", 2), ("Pad", 1), ("Squeeze", 1), ("Unsqueeze", 1), ("TopK", 1), ("Split", 1),
+}  # fmt: skip
+
+
+def _run_time_shape_input(model: onnx.ModelProto, node: onnx.NodeProto) -> Optional[str]:
+    """The first shape-like input of ``node`` that is neither an initializer nor a Constant's output."""
+    constants = {t.name for t in model.graph.initializer}
+    constants |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    for k, name in enumerate(node.input):
+        if name and (node.op_type, k) in _SHAPE_INPUTS and name not in constants:
+            return name
+    return None
+
+
+def _onnxruntime_refusal(model: onnx.ModelProto) -> Optional[str]:
+    """None when onnxruntime is not installed, "" when it accepts ``model`` (builds a session:
+    every op known, types consistent), else its first error line. (Running it would need
+    inputs that are valid data, which a made-up seeded input need not be.)"""
+    from ..topology import reference
+
+    if not reference.available():
+        return None
+    try:
+        with _native_output_to_log("onnxruntime"):
+            reference.session(model)
+    except Exception as e:
+        return first_line(e).removeprefix("[ONNXRuntimeError] : ")[:200]
+    return ""
+
+
+@contextlib.contextmanager
+def _native_output_to_log(what: str):
+    """Send what the code inside prints - Python's stdout and the C++ side's stderr (fd 2) -
+    to this module's debug log instead of the terminal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured, contextlib.redirect_stdout(io.StringIO()) as printed:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = printed.getvalue() + captured.read().decode("utf-8", "replace")
+    if text.strip():
+        log.debug("%s said:\n%s", what, text.rstrip())
 
 
 # ---------------------------------------------------------------------- ONNX rewrites

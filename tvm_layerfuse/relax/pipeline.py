@@ -8,6 +8,7 @@
       1. FoldAffineIntoConv2D    vertical         BN / per-channel Mul/Add/Sub/Div -> conv weight, bias
       2. MergeParallelConv2D     horizontal       parallel convs -> one conv + split (relax/horizontal.py)
       3. FuseConv2DEpilogue      vertical + eltwise  conv + bias + [residual] + [act] -> one function
+      4. AbsorbElementwiseConsumers                what FuseOps would still fuse after a group joins it
       bind_params                                 W', b' become constants, computed once here
                                                   (LiftTransformParams + one compile, then BindParams)
 
@@ -39,6 +40,7 @@ from ..errors import UsageError
 from ..planner import FusionPlan
 from ..report import Report
 from ._ir import TargetLike, as_target, default_target, param_names, weight_param
+from .absorb_elementwise import AbsorbElementwiseConsumers
 from .fold_affine import FoldAffineIntoConv2D
 from .fuse_epilogue import EpilogueSpec, FuseConv2DEpilogue
 from .horizontal import MergeParallelConv2D, MergeReport, merge_groups_from_plan
@@ -48,8 +50,18 @@ log = logging.getLogger(__name__)
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, tvm.IRModule]
 
-_ACTIVATION_NAMES = {"Relu": "relu", "Clip": "clip", "LeakyRelu": "leakyrelu", "SiLU": "silu"}
-_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul"}
+_ACTIVATION_NAMES = {
+    "Relu": "relu",
+    "Clip": "clip",
+    "LeakyRelu": "leakyrelu",
+    "SiLU": "silu",
+    "Sigmoid": "sigmoid",
+    "HardSigmoid": "hardsigmoid",
+    "HardSwish": "hardswish",
+    "PRelu": "prelu",
+    "Gelu": "gelu",
+}
+_RESIDUAL_NAMES = {"residual": "add", "multiply": "mul", "gate": "gate", "post_add": "post_add"}
 
 
 @dataclass
@@ -61,6 +73,7 @@ class FuseReport(Report):
     horizontal: Optional[MergeReport] = None  # MergeParallelConv2D (None: not run)
     groups: list[dict[str, Any]] = field(default_factory=list)  # FuseConv2DEpilogue: one per fused function
     group_refused: list[dict[str, Any]] = field(default_factory=list)
+    absorbed: list[dict[str, Any]] = field(default_factory=list)  # AbsorbElementwiseConsumers: {"function", "group", "ops"}
     plan_check: Optional[dict[str, Any]] = None  # the plan's counts next to the passes' (with a plan)
 
 
@@ -134,6 +147,12 @@ def fuse_with_report(
     mod = epilogue(mod)
     report.groups = list(epilogue.groups)
     report.group_refused = list(epilogue.refused)
+
+    # 4. what the plan left after a group that TVM's FuseOps would fuse into it (never more
+    #    kernels than the default pipeline)
+    absorb = AbsorbElementwiseConsumers()
+    mod = absorb(mod)
+    report.absorbed = list(absorb.absorbed)
     if plan is not None:
         report.plan_check = _compare_with_plan(plan, report)
 
@@ -361,24 +380,23 @@ def plan_to_specs(plan: FusionPlan, param_names: set[str]) -> tuple[set[str], di
     for layer in plan.second:
         if layer.op_type != "Conv":
             continue
-        fused = layer.fused or {}
-        branches = fused.get("branches")
-        if branches:
-            weights = [plan.first.layer(b).inputs[1] for b in branches]
-            epilogues = [e for b in branches.values() for e in (b or {}).get("epilogue", [])]
+        fused = layer.fused
+        if fused.branches:
+            weights = [plan.first.layer(b).inputs[1] for b in fused.branches]
+            epilogues = [e for b in fused.branches.values() for e in b.epilogue]
         else:
             weights = [layer.inputs[1]] if len(layer.inputs) > 1 else []
-            epilogues = fused.get("epilogue", [])
+            epilogues = list(fused.epilogue)
         weights = [weight_param(w, param_names) or w for w in weights]
         residual = activation = None
-        for e in fused.get("epilogue", []):
-            if e.get("role") in _RESIDUAL_NAMES:
-                residual = _RESIDUAL_NAMES[e["role"]]
-            elif e.get("role") == "activation":
-                activation = _ACTIVATION_NAMES.get(e.get("op"), e.get("op", "").lower())
+        for e in fused.epilogue:
+            if e.role in _RESIDUAL_NAMES:
+                residual = _RESIDUAL_NAMES[e.role]
+            elif e.role == "activation":
+                activation = _ACTIVATION_NAMES.get(e.op, e.op.lower())
         for w in weights:
             spec[w] = EpilogueSpec(residual=residual, activation=activation)
-            if any(e.get("folded") for e in epilogues):
+            if any(e.folded for e in epilogues):
                 fold.add(w)
     return fold, spec
 
@@ -388,8 +406,8 @@ def _compare_with_plan(plan: FusionPlan, report: FuseReport) -> dict[str, Any]:
     planned_bn = sum(
         1
         for layer in plan.second
-        for e in _all_epilogue_entries(layer)
-        if e.get("op") == "BatchNormalization" and e.get("folded")
+        for e in layer.fused.all_epilogue_ops()
+        if e.op == "BatchNormalization" and e.folded
     )
     planned_eltwise = len(plan.groups_of("eltwise"))
     done_bn = sum(1 for f in report.folded if f["op"] == "BatchNormalization")
@@ -402,14 +420,6 @@ def _compare_with_plan(plan: FusionPlan, report: FuseReport) -> dict[str, Any]:
         if counts["plan"] != counts["relax"]:
             log.warning("plan/Relax mismatch: %s planned %d, done %d", what, counts["plan"], counts["relax"])
     return check
-
-
-def _all_epilogue_entries(layer) -> list[dict[str, Any]]:
-    fused = layer.fused or {}
-    entries = list(fused.get("epilogue", []))
-    for b in (fused.get("branches") or {}).values():
-        entries.extend((b or {}).get("epilogue", []))
-    return entries
 
 
 # ---------------------------------------------------------------------- loading

@@ -22,10 +22,12 @@ element-wise epilogue will overwrite it in place (the block would be corrupted).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from ..topology.facts import ConcatBlock, ConcatSlot, ConcatWrite
 from ..topology.graph import Layer, TopologyGraph
 from .base import Match, Template
 
@@ -37,7 +39,7 @@ class InPlaceConcat(Template):
 
     def pattern(self, graph: TopologyGraph) -> Iterator[Match]:
         for layer in graph:
-            if layer.op_type == "Concat" and not layer.domain and not layer.fused.get("in_place"):
+            if layer.op_type == "Concat" and not layer.domain and not layer.fused.in_place:
                 producers = [graph.tensor(i).producer for i in layer.inputs]
                 yield Match(self.name, [layer.name] + [p for p in producers if p is not None])
 
@@ -65,11 +67,11 @@ class InPlaceConcat(Template):
                 return f"input {name!r} has dtype {t.dtype}, the concat {out.dtype}"
             if not t.known_shape:
                 return f"the shape of input {name!r} is unknown"
-            writes = graph.layer(t.producer).fused.get("writes_into", {})
+            writes = graph.layer(t.producer).fused.writes_into
             if name in writes:
-                return f"input {name!r} already writes into concat {writes[name]['concat']!r}"
+                return f"input {name!r} already writes into concat {writes[name].concat!r}"
             for reader in graph.consumers(name):
-                if reader.fused.get("overwrite_extra_input") and reader.fused.get("extra_input") == name:
+                if reader.fused.overwrite_extra_input and reader.fused.extra_input == name:
                     return f"input {name!r} is overwritten in place by the epilogue of {reader.name!r}"
         return None
 
@@ -85,28 +87,27 @@ class InPlaceConcat(Template):
         start = 0
         for name in concat.inputs:
             size = int(graph.tensor(name).shape[axis])
-            slot = {
-                "tensor": name,
-                "producer": graph.tensor(name).producer,
-                "range": [start, start + size],
-                "byte_offset": start * inner * itemsize if contiguous else None,
-                "bytes": size * inner * itemsize * int(np.prod(shape[:axis], dtype=np.int64)),
-            }
+            slot = ConcatSlot(
+                tensor=name,
+                producer=graph.tensor(name).producer,
+                range=(start, start + size),
+                byte_offset=start * inner * itemsize if contiguous else None,
+                bytes=size * inner * itemsize * int(np.prod(shape[:axis], dtype=np.int64)),
+            )
             slots.append(slot)
-            producer = graph.layer(slot["producer"])
-            producer.fused.setdefault("writes_into", {})[name] = {
-                "concat": concat.name,
-                "axis": axis,
-                "range": slot["range"],
-                "byte_offset": slot["byte_offset"],
-            }
+            producer = graph.layer(slot.producer)
+            write = ConcatWrite(concat=concat.name, axis=axis, range=slot.range, byte_offset=slot.byte_offset)
+            producer.fused = producer.fused.writing_into(name, write)
             start += size
         concat.template = self.name
-        concat.fused.update({"in_place": True, "axis": axis, "contiguous": contiguous, "slots": slots})
+        block = ConcatBlock(axis=axis, contiguous=contiguous, slots=tuple(slots))
+        concat.fused = dataclasses.replace(concat.fused, concat=block)
         details = {
             "axis": axis,
             "contiguous": contiguous,
             "block_bytes": out.nbytes,
-            "offsets": [{k: s[k] for k in ("tensor", "producer", "range", "byte_offset")} for s in slots],
+            "offsets": [
+                {"tensor": s.tensor, "producer": s.producer, "range": list(s.range), "byte_offset": s.byte_offset} for s in slots
+            ],
         }
         return concat, details

@@ -5,8 +5,21 @@ output has no other reader::
 
     z = act(Conv(x) + r)        one kernel; r becomes an extra input of the fused layer
 
-``act`` is an activation (Relu, Clip, LeakyRelu) that reads only ``z``; it joins the
-epilogue too. ``r`` must broadcast to the conv's output shape without enlarging it. When
+``act`` is an activation (one node: Relu, Clip, LeakyRelu, HardSwish, HardSigmoid,
+Sigmoid, PRelu, Gelu) that reads only ``z``; it joins the epilogue too. ``r`` must
+broadcast to the conv's output shape without enlarging it, except for a gate.
+
+The squeeze-and-excitation *gate* multiplies a feature map ``y: [N, C, H, W]`` by a
+per-channel vector the conv computed (``[N, C, 1, 1]``, its activation already applied)::
+
+    z = Mul(act(Conv(s)), y)  ->  z = act(Conv(s) + b) * y      one kernel; y is the extra input
+
+The conv's result is broadcast over H×W inside the kernel, so the gate vector is never
+written to memory. A Mul after a conv whose epilogue already ends in an activation is a
+gate too (same shapes, e.g. at 1×1 spatial size). An Add of the same shape after an activated
+conv is a *post-activation add* (YOLO's bottleneck ``x + cv2(cv1(x))`` with SiLU convs)::
+
+    z = Add(act(Conv(x)), r)  ->  z = act(Conv(x) + b) + r      one kernel; r is the extra input When
 ``r`` has no reader after the fused layer (and is neither a graph input nor output), the
 result may overwrite ``r``'s buffer in place; the plan records whether that is allowed.
 When both operands are produced by such convs, the later one (in graph order) absorbs the
@@ -15,11 +28,12 @@ op, so the other operand is already computed when the fused kernel runs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Optional
 
 from ..topology.graph import Layer, TopologyGraph
 from .base import Match, Template, members_of
-from .ops import SIMPLE_ACTIVATIONS, activation_of, epilogue_entry, is_conv
+from .ops import SINGLE_ACTIVATIONS, activation_of, epilogue_entry, is_conv
 
 ELTWISE_OPS = ("Add", "Sum", "Mul")
 
@@ -72,6 +86,19 @@ class EltwiseEpilogue(Template):
                 reasons.append(f"{op.name!r} reads {t!r} twice")
                 continue
             out_shape = graph.tensor(op.outputs[0]).shape
+            activated = _has_activation(conv)
+            if op.op_type == "Mul" and (activated or is_gate(graph, t, other, out_shape)):
+                if activated and not (graph.tensor(t).shape == out_shape or is_gate(graph, t, other, out_shape)):
+                    reasons.append(f"the other operand {other!r} broadcasts the result beyond the conv output")
+                    continue
+                options.append((order[conv.name], conv, other))
+                continue
+            if activated and (op.op_type != "Add" or graph.tensor(t).shape != out_shape):
+                reasons.append(
+                    f"conv {conv.name!r} already ends in an activation; only a multiply (a gate) or an add of "
+                    "the same shape follows it in the epilogue"
+                )
+                continue
             if out_shape is None or graph.tensor(t).shape != out_shape:
                 reasons.append(
                     f"the other operand {other!r} broadcasts the result beyond the conv output "
@@ -88,24 +115,29 @@ class EltwiseEpilogue(Template):
         op = graph.layer(match.layers[0])
         conv, other = self._choose(graph, op)
         absorbed = [conv.name, op.name]
-        epilogue = list(conv.fused.get("epilogue", []))
-        epilogue.append(epilogue_entry(op, "residual" if op.op_type != "Mul" else "multiply", extra_input=other))
+        epilogue = list(conv.fused.epilogue)
+        conv_out = next(t for t in op.inputs if t != other)
+        gate = op.op_type == "Mul" and (
+            _has_activation(conv) or is_gate(graph, conv_out, other, graph.tensor(op.outputs[0]).shape)
+        )
+        post_add = op.op_type == "Add" and _has_activation(conv)
+        role = "gate" if gate else "post_add" if post_add else "residual" if op.op_type != "Mul" else "multiply"
+        epilogue.append(epilogue_entry(op, role, extra_input=other))
         out = op.outputs[0]
         nxt = graph.sole_consumer(out)
         activation = None
-        if nxt is not None and nxt.op_type in SIMPLE_ACTIVATIONS:
+        if nxt is not None and nxt.op_type in SINGLE_ACTIVATIONS and not gate and not post_add:
             act = activation_of(graph, nxt, out)
             if act is not None:
                 params = {k: v for k, v in act.items() if k not in ("op", "layers")}
-                epilogue.append(epilogue_entry(nxt, "activation", **params))
+                epilogue.append(epilogue_entry(nxt, "activation", params=params))
                 absorbed.append(nxt.name)
                 out = nxt.outputs[0]
                 activation = nxt.op_type
-        fused = dict(conv.fused) if conv.fused else {"prologue": []}
-        fused["epilogue"] = epilogue
-        fused["extra_input"] = other
         overwrite = self._may_overwrite(graph, other, fused=absorbed, op=op.name)
-        fused["overwrite_extra_input"] = overwrite
+        fused = dataclasses.replace(
+            conv.fused, epilogue=tuple(epilogue), extra_input=other, overwrite_extra_input=overwrite
+        )
         layer = Layer(
             name=conv.name,
             op_type=conv.op_type,
@@ -119,7 +151,7 @@ class EltwiseEpilogue(Template):
         graph.replace(absorbed, [layer])
         details = {
             "conv": conv.name,
-            "op": op.op_type,
+            "op": "gate" if gate else "post_add" if post_add else op.op_type,
             "extra_input": other,
             "activation": activation,
             "overwrite_extra_input": overwrite,
@@ -147,3 +179,18 @@ class EltwiseEpilogue(Template):
         position = min(order[n] for n in fused)
         others = [c for c in t.consumers if c not in fused]
         return all(order[c] < position for c in others)
+
+
+def _has_activation(conv: Layer) -> bool:
+    return any(e.role == "activation" for e in conv.fused.epilogue)
+
+
+def is_gate(graph: TopologyGraph, conv_out: str, other: str, out_shape) -> bool:
+    """Whether ``Mul(conv_out, other)`` gates ``other`` per channel: the conv output is
+    ``[N, C, 1, 1]`` (spatial dims all 1) and ``other`` is ``[N, C, ...]``, the result's shape."""
+    a, b = graph.tensor(conv_out).shape, graph.tensor(other).shape
+    if a is None or b is None or out_shape is None or len(a) != len(b) or len(a) < 3:
+        return False
+    if tuple(b) != tuple(out_shape) or tuple(a) == tuple(b):
+        return False
+    return a[:2] == b[:2] and all(d == 1 for d in a[2:])

@@ -16,8 +16,10 @@ must reach a common layer (typically the Concat of an Inception block).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Optional
 
+from ..topology.facts import EpilogueOp, LayerFacts, SplitPart
 from ..topology.graph import Layer, TopologyGraph
 from .base import Match, Template, members_of
 from .ops import conv_params, is_conv
@@ -25,26 +27,21 @@ from .ops import conv_params, is_conv
 _PARAMS = ("kernel_shape", "strides", "pads", "dilations", "group")
 
 
-def _activation(layer: Layer) -> list[dict[str, Any]]:
+def _activation(layer: Layer) -> list[EpilogueOp]:
     """The non-folded part of a conv's epilogue, without layer names (comparable)."""
-    return [
-        {k: v for k, v in e.items() if k not in ("layer", "layers")}
-        for e in layer.fused.get("epilogue", [])
-        if not e.get("folded")
-    ]
+    return [dataclasses.replace(e, layer=None, layers=()) for e in layer.fused.epilogue if not e.folded]
 
 
 def _describe(layer: Layer) -> str:
     """``Relu``, ``Clip(0.0, 6.0)``, ``LeakyRelu(alpha=0.1)``, or ``no activation``."""
     parts = []
     for e in _activation(layer):
-        params = {k: v for k, v in e.items() if k not in ("op", "role", "folded", "extra_input")}
-        if e["op"] == "Clip":
-            parts.append(f"Clip({params.get('min')}, {params.get('max')})")
-        elif params:
-            parts.append(e["op"] + "(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")")
+        if e.op == "Clip":
+            parts.append(f"Clip({e.params.get('min')}, {e.params.get('max')})")
+        elif e.params:
+            parts.append(e.op + "(" + ", ".join(f"{k}={v}" for k, v in e.params.items()) + ")")
         else:
-            parts.append(e["op"])
+            parts.append(e.op)
     return "+".join(parts) or "no activation"
 
 
@@ -53,7 +50,7 @@ def _key(graph: TopologyGraph, layer: Layer) -> tuple:
     return (
         tuple(repr(p[k]) for k in _PARAMS),
         repr(_activation(layer)),
-        bool(layer.fused.get("prologue")),
+        bool(layer.fused.prologue),
         len(layer.outputs),
         graph.tensor(layer.outputs[0]).dtype,
     )
@@ -97,7 +94,7 @@ class HorizontalConv(Template):
         for layer in layers:
             if len(layer.outputs) != 1:
                 return f"conv {layer.name!r} is already a horizontal merge"
-            if layer.fused.get("prologue"):
+            if layer.fused.prologue:
                 return f"conv {layer.name!r} has a pre-activation prologue"
             runtime = [i for i in layer.inputs[1:3] if i and not graph.is_constant(i)]
             if runtime:
@@ -122,15 +119,14 @@ class HorizontalConv(Template):
         inputs = [match.info["tensor"]]
         for b in branches:
             c_out = graph.tensor(b.inputs[1]).shape[0]  # W: [C_out, C_in, kh, kw]
-            split.append({"branch": b.name, "output": b.outputs[0], "channels": [start, start + c_out]})
+            split.append(SplitPart(branch=b.name, output=b.outputs[0], channels=(start, start + c_out)))
             start += c_out
             inputs += [i for i in b.inputs[1:] if i and i not in inputs]
-        fused = {
-            "prologue": [],
-            "epilogue": [dict(e) for e in _activation(branches[0])],
-            "split": split,
-            "branches": {b.name: b.fused for b in branches},
-        }
+        fused = LayerFacts(
+            epilogue=tuple(_activation(branches[0])),
+            split=tuple(split),
+            branches={b.name: b.fused for b in branches},
+        )
         name = "+".join(b.name for b in branches)
         base, k = name, 2
         while name in graph:
@@ -149,7 +145,7 @@ class HorizontalConv(Template):
         details = {
             "input": match.info["tensor"],
             "out_channels": start,
-            "split": [{k: s[k] for k in ("branch", "channels")} for s in split],
+            "split": [{"branch": s.branch, "channels": list(s.channels)} for s in split],
             "join": join,
         }
         return layer, details

@@ -13,6 +13,7 @@ that the next Concat also reads).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Optional
 
 from ..topology.graph import Layer, TopologyGraph
@@ -31,7 +32,7 @@ class PreActivation(Template):
             if layer.op_type != "BatchNormalization" or layer.is_fused or layer.domain:
                 continue
             walk = walk_epilogue(graph, layer)
-            acts = [e for e in walk["epilogue"] if e["role"] == "activation"]
+            acts = [e for e in walk["epilogue"] if e.role == "activation"]
             conv = None
             consumers = graph.consumers(walk["output"]) if acts else []
             if acts and consumers and all(is_conv(c) for c in consumers):
@@ -51,17 +52,16 @@ class PreActivation(Template):
         conv = graph.layer(match.info["conv"])
         if conv.inputs[0] != out:
             return f"{out!r} is not the data input of conv {conv.name!r}"
-        if conv.fused.get("prologue"):
+        if conv.fused.prologue:
             return f"conv {conv.name!r} already has a prologue"
         return None
 
     def merge(self, graph: TopologyGraph, match: Match) -> tuple[Layer, dict[str, Any]]:
         bn = graph.layer(match.layers[0])
         conv = graph.layer(match.info["conv"])
-        after_bn = [{k: v for k, v in e.items() if k != "folded"} for e in match.info["epilogue"]]
-        prologue = [epilogue_entry(bn, "batchnorm")] + after_bn
-        fused = dict(conv.fused) if conv.fused else {"prologue": [], "epilogue": []}
-        fused["prologue"] = prologue
+        after_bn = [dataclasses.replace(e, folded=False) for e in match.info["epilogue"]]
+        prologue = (epilogue_entry(bn, "batchnorm"), *after_bn)
+        fused = dataclasses.replace(conv.fused, prologue=prologue)
         inputs = [bn.inputs[0]] + conv.inputs[1:]
         for n in match.layers[:-1]:
             for i in graph.const_inputs(graph.layer(n)):
@@ -78,4 +78,4 @@ class PreActivation(Template):
             fused=fused,
         )
         graph.replace(match.layers, [layer])
-        return layer, {"prologue": [e["op"] for e in prologue], "conv": conv.name}
+        return layer, {"prologue": [e.op for e in prologue], "conv": conv.name}

@@ -8,7 +8,12 @@ Algebra (per output channel ``c``; ``W: [C_out, C_in/g, kh, kw]``, ``b: [C_out]`
     Div(k) ∘ Conv -> Conv                 W' = W / k[c],  b' = b / k[c]
     Add(k) ∘ Conv -> Conv                 W' = W,         b' = b + k[c]
     Sub(k) ∘ Conv -> Conv                 W' = W,         b' = b - k[c]
-    act ∘ Conv -> Conv with epilogue act  act in {Relu, Clip, LeakyRelu, SiLU = x * Sigmoid(x)}
+    act ∘ Conv -> Conv with epilogue act  act in {Relu, Clip, LeakyRelu, HardSwish, HardSigmoid,
+                                          Sigmoid, PRelu (constant slope), Gelu, SiLU = x * Sigmoid(x)},
+                                          in op form or written out (templates/ops.py:
+                                          decomposed_activation, e.g. x * Clip(x + 3, 0, 6) / 6)
+
+Depthwise and grouped convs take part like any other Conv.
 
 Every link of the chain must be single-input and single-consumer: the tensor between two
 merged layers must have exactly one reader and must not be a graph output. The chain is
@@ -19,11 +24,20 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
+from ..topology.facts import EpilogueOp, LayerFacts
 from ..topology.graph import Layer, TopologyGraph
 from .base import Match, Template, members_of
-from .ops import AFFINE_BINARY, SIMPLE_ACTIVATIONS, activation_of, affine_reason, epilogue_entry, is_conv
+from .ops import (
+    AFFINE_BINARY,
+    SINGLE_ACTIVATIONS,
+    activation_of,
+    affine_reason,
+    decomposed_activation,
+    epilogue_entry,
+    is_conv,
+)
 
-CHAIN_OPS = set(AFFINE_BINARY) | {"BatchNormalization", "Sigmoid"} | set(SIMPLE_ACTIVATIONS)
+CHAIN_OPS = set(AFFINE_BINARY) | {"BatchNormalization"} | set(SINGLE_ACTIVATIONS)
 
 
 def walk_epilogue(graph: TopologyGraph, start: Layer, *, allow_affine: bool = True) -> dict[str, Any]:
@@ -34,7 +48,7 @@ def walk_epilogue(graph: TopologyGraph, start: Layer, *, allow_affine: bool = Tr
     a kind the template merges (so a refusal is worth reporting).
     """
     layers: list[str] = []
-    epilogue: list[dict[str, Any]] = []
+    epilogue: list[EpilogueOp] = []
     cur = start.outputs[0]
     stopped: Optional[str] = None
     candidate = False
@@ -46,13 +60,12 @@ def walk_epilogue(graph: TopologyGraph, start: Layer, *, allow_affine: bool = Tr
         kinds = {c.op_type for c in consumers}
         if not layers:
             candidate = bool(kinds & CHAIN_OPS)
-        sigmoid = next((c for c in consumers if c.op_type == "Sigmoid"), None)
-        act = activation_of(graph, sigmoid, cur) if sigmoid is not None and len(consumers) == 2 else None
-        if act is not None:  # SiLU: x * Sigmoid(x), the only two readers of x
-            sig = graph.layer(act["layers"][0])
+        act = decomposed_activation(graph, cur) if len(consumers) == 2 else None
+        if act is not None:  # written out in several ops, e.g. SiLU x * Sigmoid(x): the only readers of x
+            head = graph.layer(act["layers"][0])
             layers += act["layers"]
-            epilogue.append(epilogue_entry(sig, "activation", op="SiLU", layers=act["layers"]))
-            cur = graph.layer(act["layers"][1]).outputs[0]
+            epilogue.append(epilogue_entry(head, "activation", op=act["op"], layers=act["layers"]))
+            cur = act["output"]
             break
         if graph.readers(cur) != 1:
             who = ", ".join(f"{c.name} ({c.op_type})" for c in consumers)
@@ -63,17 +76,18 @@ def walk_epilogue(graph: TopologyGraph, start: Layer, *, allow_affine: bool = Tr
             )
             break
         nxt = consumers[0]
-        if nxt.op_type in SIMPLE_ACTIVATIONS:
+        if nxt.op_type in SINGLE_ACTIVATIONS and not nxt.domain:
             act = activation_of(graph, nxt, cur)
             if act is None:
-                stopped = f"{nxt.op_type} {nxt.name!r} has run-time bounds"
+                what = "a run-time or non-per-channel slope" if nxt.op_type == "PRelu" else "run-time bounds"
+                stopped = f"{nxt.op_type} {nxt.name!r} has {what}"
                 break
             layers.append(nxt.name)
             params = {k: v for k, v in act.items() if k not in ("op", "layers")}
-            epilogue.append(epilogue_entry(nxt, "activation", **params))
+            epilogue.append(epilogue_entry(nxt, "activation", params=params))
             cur = nxt.outputs[0]
             break
-        if nxt.op_type in CHAIN_OPS and nxt.op_type != "Sigmoid" and allow_affine:
+        if nxt.op_type in CHAIN_OPS and allow_affine:
             reason = affine_reason(graph, nxt, cur) or _runtime_weights_reason(graph, start)
             if reason is not None:
                 stopped = reason
@@ -114,7 +128,7 @@ def fused_conv(
     template: str,
     data_input: Optional[str] = None,
     output: str,
-    fused: dict[str, Any],
+    fused: LayerFacts,
 ) -> Layer:
     """The layer that replaces ``conv`` and the ``absorbed`` layers around it."""
     names = [conv.name] + absorbed
@@ -158,13 +172,13 @@ class ConvChain(Template):
     def merge(self, graph: TopologyGraph, match: Match) -> tuple[Layer, dict[str, Any]]:
         conv = graph.layer(match.layers[0])
         epilogue = match.info["epilogue"]
-        fused = {"prologue": [], "epilogue": epilogue}
+        fused = LayerFacts(epilogue=tuple(epilogue))
         layer = fused_conv(
             graph, conv, match.layers[1:], template=self.name, output=match.info["output"], fused=fused
         )
         details = {
-            "folded": [e["op"] for e in epilogue if e.get("folded")],
-            "activation": next((e["op"] for e in epilogue if e["role"] == "activation"), None),
+            "folded": [e.op for e in epilogue if e.folded],
+            "activation": next((e.op for e in epilogue if e.role == "activation"), None),
         }
         if match.info.get("stopped"):
             details["stopped"] = match.info["stopped"]

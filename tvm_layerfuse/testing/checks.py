@@ -1,7 +1,6 @@
 """Checks shared by the tests and the fuzzing scripts.
 
-* :func:`run_onnxruntime` - the reference run: onnxruntime on CPU with graph optimisations
-  off (as onnx-simplifier's model checking does), so the numbers are the model's own.
+* :func:`run_onnxruntime` - the reference run (home: :mod:`tvm_layerfuse.topology.reference`).
 * :func:`plan_violations` - the invariants every fusion plan must keep, checked from the
   plan's graphs alone (independently of ``planner.validate``), as a list of problems.
 """
@@ -10,22 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-import onnx
+__all__ = ["plan_violations", "run_onnxruntime"]
+
+from ..topology.reference import run_onnxruntime
 
 if TYPE_CHECKING:
     from ..planner import FusionPlan
-
-
-def run_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Every graph output of ``model`` on ``feeds`` (onnxruntime, CPU, optimisations off)."""
-    import onnxruntime as ort  # a test dependency, imported on use
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
 
 
 def plan_violations(p: "FusionPlan") -> list[str]:

@@ -227,11 +227,11 @@ def overwrite_violations(p) -> list[str]:
 
     slots: dict[str, str] = {}
     for layer in g:
-        for t, w in layer.fused.get("writes_into", {}).items():
-            slots[t] = w.get("concat", "?")
-        if layer.fused.get("in_place"):
-            for s in layer.fused.get("slots", []):
-                a, b = find(layer.outputs[0]), find(s["tensor"])
+        for t, w in layer.fused.writes_into.items():
+            slots[t] = w.concat
+        if layer.fused.concat is not None:
+            for s in layer.fused.concat.slots:
+                a, b = find(layer.outputs[0]), find(s.tensor)
                 if a != b:
                     parent[b] = a
     classes: dict[str, set[str]] = {}
@@ -240,9 +240,9 @@ def overwrite_violations(p) -> list[str]:
 
     problems = []
     for layer in g:
-        if not layer.fused.get("overwrite_extra_input"):
+        if not layer.fused.overwrite_extra_input:
             continue
-        r = layer.fused.get("extra_input")
+        r = layer.fused.extra_input
         if r not in g.tensors:
             problems.append(f"{layer.name!r} may overwrite {r!r}, which is no tensor of the second graph")
             continue

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 
 from ..errors import GraphError
+from .facts import LayerFacts
 
 Dim = Optional[int]
 """A dimension: a positive int when known, ``None`` when unknown or symbolic."""
@@ -86,7 +87,7 @@ class Layer:
     domain: str = ""
     members: tuple[str, ...] = ()
     template: Optional[str] = None  # the template that formed this layer, if fused
-    fused: dict[str, Any] = field(default_factory=dict)  # what the merge did (JSON-able)
+    fused: LayerFacts = field(default_factory=LayerFacts)  # what the templates decided (frozen)
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -117,6 +118,9 @@ class TopologyGraph:
         self.outputs = list(outputs)
         self.opset = opset
         self.meta = dict(meta or {})
+        # The ONNX model the graph was read from (input shapes fixed, shape arithmetic
+        # folded), set by the reader: what the importer must import so names agree.
+        self.source: Any = None
         self._layers: dict[str, Layer] = {}
         for layer in layers:
             if layer.name in self._layers:
@@ -300,11 +304,10 @@ class TopologyGraph:
                 inputs=list(layer.inputs),
                 outputs=list(layer.outputs),
                 attrs=dict(layer.attrs),
-                fused=_deepcopy_json(layer.fused),
             )
             for layer in self._layers.values()
         ]
-        return TopologyGraph(
+        out = TopologyGraph(
             name=self.name,
             layers=layers,
             tensors=tensors,
@@ -313,6 +316,8 @@ class TopologyGraph:
             opset=self.opset,
             meta=self.meta,
         )
+        out.source = self.source
+        return out
 
     # ------------------------------------------------------------------ summaries
     def op_counts(self) -> dict[str, int]:
@@ -347,7 +352,7 @@ class TopologyGraph:
             if layer.is_fused or layer.members != (layer.name,):
                 entry["members"] = list(layer.members)
                 entry["template"] = layer.template
-                entry["fused"] = _deepcopy_json(layer.fused)
+                entry["fused"] = layer.fused.to_dict()
             layers.append(entry)
         edges = []
         for layer in self._layers.values():
@@ -389,10 +394,3 @@ def _jsonable(v: Any) -> Any:
         return {str(k): _jsonable(x) for k, x in v.items()}
     return v
 
-
-def _deepcopy_json(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {k: _deepcopy_json(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_deepcopy_json(x) for x in v]
-    return v

@@ -6,8 +6,12 @@ Steps, each with a one-line error on failure:
 2. check the structure ourselves (duplicate tensor producers, dangling inputs, cycles),
    then with ``onnx.checker``;
 3. fix the input shapes (``input_shapes`` overrides; dynamic or zero dims are refused);
-4. run ``onnx.shape_inference`` (strict unless the model holds ops ONNX does not know);
-5. fold constant chains (``Constant``, ``ConstantOfShape``, ``Identity``, ``Unsqueeze`` ...
+4. fold shape arithmetic (``Shape -> Gather -> Concat -> Reshape`` ...) into constants with
+   onnxscript's optimizer, checked against the original in onnxruntime
+   (:mod:`.shape_folding`); the graph is built from the folded model, kept as
+   ``graph.source`` for the importer;
+5. run ``onnx.shape_inference`` (strict unless the model holds ops ONNX does not know);
+6. fold constant chains (``Constant``, ``ConstantOfShape``, ``Identity``, ``Unsqueeze`` ...
    whose inputs are all constants) into constant tensors, evaluated lazily with
    ``onnx.reference``; every other node becomes a :class:`Layer`.
 """
@@ -25,6 +29,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import GraphError, ModelLoadError, ShapeError, first_line
 from .graph import Dim, Layer, Tensor, TopologyGraph
+from .shape_folding import fold_static_shapes
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +112,11 @@ class _Reader:
         graph = self.model.graph
         model = self._with_input_shapes(initializers)
         self._check_onnx(model)
+        folded, folding = fold_static_shapes(model, label=self.label)
+        if folding is not None:  # the graph is built from the folded model
+            model = self.model = folded
+            graph = model.graph
+            initializers = {t.name: t for t in graph.initializer}
         unknown = self._unknown_ops(model)
         inferred = self._infer_shapes(model, strict=not unknown)
         types = _value_types(inferred)
@@ -160,6 +170,11 @@ class _Reader:
             if (layer.domain, layer.op_type) in unknown:
                 layer.attrs.setdefault("_unknown_op", True)
         meta = {"unknown_ops": sorted(f"{d or 'ai.onnx'}::{op}" for d, op in unknown)}
+        if folding is not None:
+            meta["shape_folding"] = folding.to_dict()
+        filled = _constant_fill_weights(layers, tensors)
+        if filled:
+            meta["constant_fill_weights"] = filled
         nonfinite = _nonfinite_constants(graph)
         if nonfinite:
             meta["nonfinite_constants"] = nonfinite
@@ -178,9 +193,11 @@ class _Reader:
                 self.label,
                 ", ".join(meta["unknown_ops"]),
             )
-        return TopologyGraph(
+        result = TopologyGraph(
             name=self.label, layers=layers, tensors=tensors, inputs=inputs, outputs=outputs, opset=self.opset, meta=meta
         )
+        result.source = self.model
+        return result
 
     # -------------------------------------------------------------- structure
     def _check_structure(self, initializers: dict[str, Any]) -> None:
@@ -509,6 +526,24 @@ def _nonfinite_constants(graph: onnx.GraphProto) -> list[dict[str, Any]]:
         if bad:
             found.append({"name": name, "count": bad, "size": int(values.size)})
     return found
+
+
+def _constant_fill_weights(layers: list, tensors: dict) -> Optional[dict[str, int]]:
+    """``{"filled": n, "weights": m}`` when every Conv/Gemm weight is a constant fill (one value
+    repeated, as the ONNX model-zoo "light" models build them with ``ConstantOfShape``); None
+    otherwise. Such a network computes (nearly) the same output for every input.
+
+    Only weights computed by ``ConstantOfShape`` are evaluated (initializers of trained or
+    random weights never are all one value), so the check costs nothing on other models."""
+    weights = [tensors.get(l.inputs[1]) for l in layers if l.op_type in ("Conv", "Gemm") and len(l.inputs) > 1]
+    weights = [w for w in weights if w is not None and w.constant]
+    if not weights or not all("ConstantOfShape" in w.origin for w in weights):
+        return None
+    for w in weights:
+        v = w.value()
+        if v.size and not np.all(v == v.reshape(-1)[0]):
+            return None
+    return {"filled": len(weights), "weights": len(weights)}
 
 
 def _refuse_huge(label: str, name: str, shape: Sequence[Optional[int]]) -> None:

@@ -1,0 +1,582 @@
+"""Test models written the way other exporters write them: shape arithmetic, mobile epilogues.
+
+:mod:`.zoo` writes torchvision networks as the TorchScript exporter writes them with fixed
+sizes. Models as users bring them also compute their shapes at run time (Paddle2ONNX,
+tf2onnx, the TorchScript exporter with ``dynamic_axes``, YOLO's own export), end their
+convs in HardSwish/HardSigmoid written out as ``x * Clip(x + 3, 0, 6) / 6``, and gate
+channels with squeeze-and-excitation. The builders here write those forms, small, with
+seeded live weights (He-normal convs, BatchNorm statistics calibrated on a seeded batch:
+see :mod:`._builder`). No PyTorch is needed.
+
+* :func:`flatten_head` - conv stem + a Flatten computed from shapes
+  (``Shape -> Gather -> Unsqueeze -> Concat -> Reshape``, or the tf2onnx form with
+  ``Slice -> ReduceProd``);
+* :func:`shufflenet_v2_block` - ShuffleNetV2 units: channel ``Split``, depthwise branch,
+  ``Concat`` and the TorchScript channel shuffle
+  (``Shape -> Gather -> Div -> Reshape -> Transpose -> Reshape``);
+* :func:`mobilenet_v3_small_like` - torchvision's MobileNetV3-small: HardSwish (the op,
+  ``x * HardSigmoid(x)`` or ``x * Clip(x + 3, 0, 6) / 6``), squeeze-and-excitation gates
+  with HardSigmoid, depthwise convs;
+* :func:`yolo_like` - a YOLOv8-style detector: C2f split/concat blocks with SiLU, SPPF
+  max-pool concat, upsample + concat, a head whose reshapes and anchor points are
+  computed from shapes;
+* :func:`fpn_segmentation` - an FPN segmentation head: ``Resize`` to sizes computed from
+  shapes, ``ConvTranspose`` upsampling, a bilinear ``Resize`` back to the input size;
+
+Every builder takes ``batch``, ``image``, ``seed`` and ``opset`` keywords and declares
+the batch dimension dynamic (``"N"``), as ``dynamic_axes`` exports do: compile them with
+``--input-shape input=B,3,H,W``. The input is ``input``, the outputs ``output`` (and
+more where the network has several).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ._builder import NetBuilder, check_options
+
+__all__ = [
+    "BUILDERS",
+    "dynamic_batch",
+    "flatten_head",
+    "fpn_segmentation",
+    "mobilenet_v3_small_like",
+    "shufflenet_v2_block",
+    "yolo_like",
+]
+
+
+def _start(
+    name: str, *, batch: int, image: int, seed: int, opset: int, bn: str = "separate"
+) -> tuple[NetBuilder, str]:
+    check_options(opset=opset, bn=bn, clip="inputs", batch=batch, image=image)
+    b = NetBuilder(name, seed=seed, opset=opset, bn=bn, clip="inputs", quirks=True)
+    return b, b.input("input", (batch, 3, image, image))
+
+
+def dynamic_batch(model: onnx.ModelProto, *, dims: Sequence[int] = (0,)) -> onnx.ModelProto:
+    """The model with the given dims of every graph input and output declared symbolic
+    (``N``, ``d2`` ...), as an export with ``dynamic_axes`` writes it."""
+    for vi in list(model.graph.input) + list(model.graph.output):
+        shape = vi.type.tensor_type.shape
+        for k in dims:
+            if k < len(shape.dim):
+                shape.dim[k].ClearField("dim_value")
+                shape.dim[k].dim_param = "N" if k == 0 else f"d{k}"
+    return model
+
+
+# ---------------------------------------------------------------------- shape arithmetic helpers
+class _Shapes:
+    """Shape arithmetic as exporters write it, on a :class:`NetBuilder` (int64 tensors)."""
+
+    def __init__(self, b: NetBuilder) -> None:
+        self.b = b
+
+    def const(self, value, dtype=np.int64) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        (out,) = self.b.node("Constant", [], [arr.shape], value=numpy_helper.from_array(arr))
+        return out
+
+    def shape(self, x: str) -> str:
+        return self.b.node("Shape", [x], [(len(self.b.shapes[x]),)])[0]
+
+    def dim(self, shape: str, k: int) -> str:
+        """``Gather(shape, k)``: a scalar."""
+        return self.b.node("Gather", [shape, self.const(k)], [()], axis=0)[0]
+
+    def unsqueeze(self, scalar: str) -> str:
+        if self.b.opset >= 13:
+            return self.b.node("Unsqueeze", [scalar, self.const([0])], [(1,)])[0]
+        return self.b.node("Unsqueeze", [scalar], [(1,)], axes=[0])[0]
+
+    def vector(self, parts: Sequence) -> str:
+        """``Concat`` of scalars (tensor names, unsqueezed) and ints (constants) into a shape."""
+        pieces = [self.unsqueeze(p) if isinstance(p, str) else self.const([int(p)]) for p in parts]
+        return self.b.node("Concat", pieces, [(len(pieces),)], axis=0)[0]
+
+    def binary(self, op: str, a: str, b) -> str:
+        other = b if isinstance(b, str) else self.const(int(b))
+        return self.b.node(op, [a, other], [()])[0]
+
+    def reshape(self, x: str, target: str, out_shape: Sequence[int]) -> str:
+        return self.b.node("Reshape", [x, target], [tuple(out_shape)])[0]
+
+
+# ---------------------------------------------------------------------- flatten head
+def flatten_head(
+    *,
+    batch: int = 1,
+    image: int = 16,
+    form: str = "gather",
+    seed: int = 0,
+    opset: int = 13,
+    num_classes: int = 10,
+) -> onnx.ModelProto:
+    """Conv-BN-ReLU x2, MaxPool, then a Flatten computed from shapes, then Linear.
+
+    ``form="gather"`` (TorchScript ``x.view(x.size(0), -1)``):
+    ``Shape -> Gather(0) -> Unsqueeze -> Concat([n, -1]) -> Reshape``.
+    ``form="reduceprod"`` (tf2onnx / Paddle ``flatten``): ``Shape -> Slice(1:) -> ReduceProd``
+    and ``Shape -> Slice(0:1)`` -> ``Concat`` -> ``Cast`` -> ``Reshape``; TVM's importer
+    refuses it unless the shapes are folded first.
+    """
+    if form not in ("gather", "reduceprod"):
+        raise ValueError(f"form={form!r}; expected 'gather' or 'reduceprod'")
+    b, x = _start(f"flatten_head_{form}", batch=batch, image=image, seed=seed, opset=opset)
+    s = _Shapes(b)
+    with b.scope("features"):
+        with b.scope(0):
+            x = b.relu(b.conv_bn(x, 8, 3, pad=1))
+        with b.scope(1):
+            x = b.relu(b.conv_bn(x, 16, 3, stride=2, pad=1))
+        x = b.maxpool(x, 2)
+    n, c, h, w = b.shapes[x]
+    shp = s.shape(x)
+    if form == "gather":
+        target = s.vector([s.dim(shp, 0), -1])
+    else:
+        head = b.node("Slice", [shp, s.const([0]), s.const([1])], [(1,)])[0]
+        tail = b.node("Slice", [shp, s.const([1]), s.const([4])], [(3,)])[0]
+        prod = b.node("ReduceProd", [tail], [(1,)], keepdims=1)[0]
+        cat = b.node("Concat", [head, prod], [(2,)], axis=0)[0]
+        target = b.node("Cast", [cat], [(2,)], to=TensorProto.INT64)[0]
+    flat = s.reshape(x, target, (n, c * h * w))
+    with b.scope("fc"):
+        out = b.linear(flat, num_classes)
+    return dynamic_batch(b.build({"output": out}, doc=f"flatten_head form={form}"))
+
+
+# ---------------------------------------------------------------------- ShuffleNetV2
+def _channel_shuffle(b: NetBuilder, s: _Shapes, x: str, groups: int = 2) -> str:
+    """torchvision's ``channel_shuffle`` as the TorchScript exporter writes it with dynamic
+    sizes: the view's sizes come from ``x.size()`` and ``num_channels // groups``."""
+    n, c, h, w = b.shapes[x]
+    shp = s.shape(x)
+    dims = [s.dim(shp, k) for k in range(4)]
+    per_group = s.binary("Div", dims[1], groups)
+    x5 = s.reshape(x, s.vector([dims[0], groups, per_group, dims[2], dims[3]]), (n, groups, c // groups, h, w))
+    t = b.node("Transpose", [x5], [(n, c // groups, groups, h, w)], perm=[0, 2, 1, 3, 4])[0]
+    shp2 = s.shape(x)  # torch reads x.size() again for the second view
+    return s.reshape(t, s.vector([s.dim(shp2, 0), -1, s.dim(shp2, 2), s.dim(shp2, 3)]), (n, c, h, w))
+
+
+def shufflenet_v2_block(
+    *,
+    batch: int = 1,
+    image: int = 16,
+    channels: int = 16,
+    seed: int = 0,
+    opset: int = 13,
+    num_classes: int = 10,
+) -> onnx.ModelProto:
+    """Stem Conv-BN-ReLU, one stride-2 and one stride-1 ShuffleNetV2 unit, head.
+
+    Stride 2: ``Concat(branch1(x), branch2(x))``; stride 1: ``Split`` x into halves,
+    ``Concat(x1, branch2(x2))``; each followed by the channel shuffle. branch2 =
+    1x1 Conv-BN-ReLU -> depthwise 3x3 Conv-BN -> 1x1 Conv-BN-ReLU; branch1 = depthwise 3x3
+    Conv-BN -> 1x1 Conv-BN-ReLU.
+    """
+    b, x = _start("shufflenet_v2_block", batch=batch, image=image, seed=seed, opset=opset)
+    s = _Shapes(b)
+    half = channels // 2
+
+    def branch2(y: str, stride: int) -> str:
+        with b.scope(0):
+            y = b.conv(y, half, 1, bias=False)
+        with b.scope(1):
+            y = b.relu(b.batchnorm(y))
+        with b.scope(3):
+            y = b.conv(y, half, 3, stride=stride, pad=1, groups=half, bias=False)
+        with b.scope(4):
+            y = b.batchnorm(y)
+        with b.scope(5):
+            y = b.conv(y, half, 1, bias=False)
+        with b.scope(6):
+            y = b.relu(b.batchnorm(y))
+        return y
+
+    with b.scope("conv1", 0):
+        x = b.relu(b.conv_bn(x, channels // 2, 3, stride=1, pad=1, conv_scope=None, bn_scope=None))
+    with b.scope("stage2", 0):
+        cin = b.shapes[x][1]
+        with b.scope("branch1"):
+            with b.scope(0):
+                y1 = b.conv(x, cin, 3, stride=2, pad=1, groups=cin, bias=False)
+            with b.scope(1):
+                y1 = b.batchnorm(y1)
+            with b.scope(2):
+                y1 = b.conv(y1, half, 1, bias=False)
+            with b.scope(3):
+                y1 = b.relu(b.batchnorm(y1))
+        with b.scope("branch2"):
+            y2 = branch2(x, 2)
+        x = _channel_shuffle(b, s, b.concat([y1, y2]))
+    with b.scope("stage2", 1):
+        n, c, h, w = b.shapes[x]
+        if opset >= 13:
+            sizes = b.initializer(b._anon("Constant"), np.array([c // 2, c // 2], np.int64))
+            x1, x2 = b.node("Split", [x, sizes], [(n, c // 2, h, w)] * 2, axis=1)
+        else:
+            x1, x2 = b.node("Split", [x], [(n, c // 2, h, w)] * 2, axis=1, split=[c // 2, c // 2])
+        with b.scope("branch2"):
+            y2 = branch2(x2, 1)
+        x = _channel_shuffle(b, s, b.concat([x1, y2]))
+    out = b.classifier(x, num_classes)
+    return dynamic_batch(b.build({"output": out}, doc="shufflenet_v2_block"))
+
+
+# ---------------------------------------------------------------------- MobileNetV3-small
+HARDSWISH_FORMS = ("op", "hardsigmoid_mul", "clip_div")
+
+# torchvision mobilenet_v3_small: (in, kernel, expanded, out, use_se, activation, stride)
+MOBILENET_V3_SMALL = (
+    (16, 3, 16, 16, True, "RE", 2),
+    (16, 3, 72, 24, False, "RE", 2),
+    (24, 3, 88, 24, False, "RE", 1),
+    (24, 5, 96, 40, True, "HS", 2),
+    (40, 5, 240, 40, True, "HS", 1),
+    (40, 5, 240, 40, True, "HS", 1),
+    (40, 5, 120, 48, True, "HS", 1),
+    (48, 5, 144, 48, True, "HS", 1),
+    (48, 5, 288, 96, True, "HS", 2),
+    (96, 5, 576, 96, True, "HS", 1),
+    (96, 5, 576, 96, True, "HS", 1),
+)
+
+
+def hardswish(b: NetBuilder, x: str, form: str = "op") -> str:
+    """HardSwish as exporters write it: the op (opset >= 14), ``x * HardSigmoid(x)``
+    (torch at opset < 14), or ``x * Clip(x + 3, 0, 6) / 6`` (tf2onnx, Paddle, hand-written)."""
+    if form == "op":
+        return b.node("HardSwish", [x], [b.shapes[x]])[0]
+    if form == "hardsigmoid_mul":
+        return b.mul(x, hardsigmoid(b, x))
+    if form == "clip_div":
+        y = b.clip(b.add(x, b.constant(3.0)), 0.0, 6.0)
+        return b.binary("Div", b.mul(x, y), b.constant(6.0))
+    raise ValueError(f"hardswish form {form!r}; expected one of {HARDSWISH_FORMS}")
+
+
+def hardsigmoid(b: NetBuilder, x: str) -> str:
+    """torch's Hardsigmoid export: ``HardSigmoid(alpha=1/6, beta=0.5)``."""
+    return b.node("HardSigmoid", [x], [b.shapes[x]], alpha=1.0 / 6.0, beta=0.5)[0]
+
+
+def mobilenet_v3_small_like(
+    *,
+    batch: int = 1,
+    image: int = 32,
+    width: float = 0.25,
+    setting: Sequence[Sequence] = MOBILENET_V3_SMALL,
+    hardswish_form: str = "op",
+    bn: str = "folded",
+    seed: int = 0,
+    opset: int = 14,
+    num_classes: int = 10,
+) -> onnx.ModelProto:
+    """torchvision ``mobilenet_v3_small``'s structure at ``width``.
+
+    Stem Conv 3x3/2-BN-HardSwish; inverted residuals: [expand 1x1-BN-act] -> depthwise
+    kxk-BN-act -> [squeeze-excitation: GlobalAveragePool -> fc1 1x1 conv -> ReLU -> fc2 1x1
+    conv -> HardSigmoid -> ``Mul(scale, x)``] -> project 1x1-BN -> [``Add`` residual];
+    last Conv 1x1-BN-HardSwish, GlobalAveragePool, Linear-HardSwish-Linear.
+    ``hardswish_form``: one of :data:`HARDSWISH_FORMS`. ``bn="folded"`` (torch's eval-mode
+    export folds every BatchNorm into its conv) or ``"separate"``.
+    """
+    if hardswish_form not in HARDSWISH_FORMS:
+        raise ValueError(f"hardswish_form={hardswish_form!r}; expected one of {HARDSWISH_FORMS}")
+    if hardswish_form == "op" and opset < 14:
+        raise ValueError(f"HardSwish needs opset >= 14, got opset={opset}; pass hardswish_form='hardsigmoid_mul'")
+    b, x = _start(f"mobilenet_v3_small_{hardswish_form}", batch=batch, image=image, seed=seed, opset=opset, bn=bn)
+    from .zoo import make_divisible
+
+    c = lambda n: make_divisible(n * width)  # noqa: E731
+    act = {"RE": b.relu, "HS": lambda y: hardswish(b, y, hardswish_form)}
+
+    def cna(y: str, idx, cout: int, k: int, stride: int = 1, groups: int = 1, activation: str = "HS") -> str:
+        with b.scope(idx):
+            y = b.conv_bn(y, cout, k, stride=stride, pad=(k - 1) // 2, groups=groups, conv_scope=0, bn_scope=1, eps=1e-3)
+            if activation is None:
+                return y
+            with b.scope(2):
+                return act[activation](y)
+
+    with b.scope("features"):
+        x = cna(x, 0, c(16), 3, stride=2)
+        for i, (cin, k, exp, cout, se, activation, stride) in enumerate(setting, start=1):
+            cin, exp, cout = c(cin), c(exp), c(cout)
+            with b.scope(i, "block"):
+                y, j = x, 0
+                if exp != cin:
+                    y = cna(y, j, exp, 1, activation=activation)
+                    j += 1
+                y = cna(y, j, exp, k, stride=stride, groups=exp, activation=activation)
+                j += 1
+                if se:
+                    with b.scope(j):
+                        squeeze = make_divisible(exp // 4, 8)
+                        with b.scope("avgpool"):
+                            s_ = b.global_avgpool(y)
+                        with b.scope("fc1"):
+                            s_ = b.conv(s_, squeeze, 1)
+                        with b.scope("relu"):
+                            s_ = b.relu(s_)
+                        with b.scope("fc2"):
+                            s_ = b.conv(s_, exp, 1)
+                        with b.scope("scale_activation"):
+                            s_ = hardsigmoid(b, s_)
+                        y = b.mul(s_, y)
+                    j += 1
+                y = cna(y, j, cout, 1, activation=None)
+            if stride == 1 and cin == cout:
+                with b.scope(i):
+                    y = b.add(y, x)
+            x = y
+        x = cna(x, len(setting) + 1, 6 * b.shapes[x][1], 1)
+    with b.scope("avgpool"):
+        x = b.global_avgpool(x)
+    x = b.flatten(x)
+    with b.scope("classifier", 0):
+        x = b.linear(x, c(1024))
+    with b.scope("classifier", 1):
+        x = hardswish(b, x, hardswish_form)
+    with b.scope("classifier", 3):
+        out = b.linear(x, num_classes)
+    return dynamic_batch(b.build({"output": out}, doc=f"mobilenet_v3_small_like width={width} hardswish={hardswish_form}"))
+
+
+# ---------------------------------------------------------------------- YOLO-style detector
+def yolo_like(
+    *,
+    batch: int = 1,
+    image: int = 64,
+    width: int = 8,
+    num_classes: int = 4,
+    seed: int = 0,
+    opset: int = 13,
+) -> onnx.ModelProto:
+    """A YOLOv8-style detector as ``export(format="onnx")`` writes it (BatchNorm fused into the
+    convs, SiLU as ``Mul(x, Sigmoid(x))``), at ``width`` base channels.
+
+    Backbone: Conv/2 -> Conv/2 -> C2f -> Conv/2 -> C2f -> Conv/2 -> C2f -> SPPF. C2f: cv1 1x1
+    -> ``Split`` into halves -> bottlenecks (3x3, 3x3, + shortcut) on the last piece ->
+    ``Concat`` of all pieces -> cv2 1x1. SPPF: cv1 -> three MaxPool 5x5 -> ``Concat`` -> cv2.
+    Neck: ``Resize`` x2 (nearest) + ``Concat`` with the backbone feature -> C2f, twice.
+    Head (two levels, strides 8 and 16): box and class branches -> ``Concat`` -> a
+    ``Reshape`` to ``[N, no, h*w]`` whose target is computed from ``Shape``; anchor points
+    computed from the feature map's shape (``Shape -> Gather -> Range -> Expand ...``);
+    boxes decoded ``(anchor ± distance) * stride``, classes through ``Sigmoid``. Output
+    ``[N, 4 + num_classes, A]``.
+    """
+    b, x = _start("yolo_like", batch=batch, image=image, seed=seed, opset=opset, bn="folded")
+    s = _Shapes(b)
+    if image % 16:
+        raise ValueError(f"image={image}; expected a multiple of 16 (the detector downsamples 16x)")
+
+    def conv(y: str, cout: int, k: int = 1, stride: int = 1, *, name) -> str:
+        with b.scope(name):
+            y = b.conv_bn(y, cout, k, stride=stride, pad=k // 2, conv_scope="conv", bn_scope="bn", eps=1e-3)
+            with b.scope("act"):
+                return b.silu(y)
+
+    def c2f(y: str, cout: int, n: int, shortcut: bool, *, name) -> str:
+        with b.scope(name):
+            c = cout // 2
+            y = conv(y, 2 * c, 1, name="cv1")
+            nb, _, h, w = b.shapes[y]
+            sizes = b.initializer(b._anon("Constant"), np.array([c, c], np.int64))
+            pieces = list(b.node("Split", [y, sizes], [(nb, c, h, w)] * 2, axis=1))
+            for i in range(n):
+                with b.scope("m", i):
+                    z = conv(pieces[-1], c, 3, name="cv1")
+                    z = conv(z, c, 3, name="cv2")
+                    if shortcut:
+                        z = b.add(pieces[-1], z)
+                pieces.append(z)
+            return conv(b.concat(pieces), cout, 1, name="cv2")
+
+    def sppf(y: str, cout: int, *, name) -> str:
+        with b.scope(name):
+            c = b.shapes[y][1] // 2
+            y = conv(y, c, 1, name="cv1")
+            with b.scope("m"):
+                p1 = b.maxpool(y, 5, 1, 2)
+                p2 = b.maxpool(p1, 5, 1, 2)
+                p3 = b.maxpool(p2, 5, 1, 2)
+            return conv(b.concat([y, p1, p2, p3]), cout, 1, name="cv2")
+
+    def upsample(y: str, *, name) -> str:
+        nb, c, h, w = b.shapes[y]
+        with b.scope(name):
+            scales = b.constant(np.array([1, 1, 2, 2], np.float32), node=True)
+            return b.node("Resize", [y, "", scales], [(nb, c, 2 * h, 2 * w)], mode="nearest",
+                          coordinate_transformation_mode="asymmetric", nearest_mode="floor")[0]
+
+    c = width
+    with b.scope("model"):
+        x = conv(x, c, 3, 2, name=0)
+        x = conv(x, 2 * c, 3, 2, name=1)
+        x = c2f(x, 2 * c, 1, True, name=2)
+        x = conv(x, 4 * c, 3, 2, name=3)
+        p3 = c2f(x, 4 * c, 1, True, name=4)
+        x = conv(p3, 8 * c, 3, 2, name=5)
+        x = c2f(x, 8 * c, 1, True, name=6)
+        p4 = sppf(x, 8 * c, name=7)
+        x = b.concat([upsample(p4, name=8), p3])
+        n3 = c2f(x, 4 * c, 1, False, name=9)
+        x = conv(n3, 4 * c, 3, 2, name=10)
+        n4 = c2f(b.concat([x, p4]), 8 * c, 1, False, name=11)
+        outs = []
+        anchors, strides = [], []
+        no = 4 + num_classes
+        with b.scope(12):
+            for i, (feat, stride) in enumerate(((n3, 8), (n4, 16))):
+                with b.scope("cv2", i):
+                    box = conv(conv(feat, 2 * c, 3, name=0), 2 * c, 3, name=1)
+                    with b.scope(2):
+                        box = b.conv(box, 4, 1)
+                with b.scope("cv3", i):
+                    cls = conv(conv(feat, 2 * c, 3, name=0), 2 * c, 3, name=1)
+                    with b.scope(2):
+                        cls = b.conv(cls, num_classes, 1)
+                y = b.concat([box, cls])
+                nb, _, h, w = b.shapes[y]
+                shp = s.shape(y)
+                outs.append(s.reshape(y, s.vector([s.dim(shp, 0), no, -1]), (nb, no, h * w)))
+                a, st = _anchor_points(b, s, y, stride)
+                anchors.append(a)
+                strides.append(st)
+            x_cat = b.concat(outs, axis=2)
+            total = b.shapes[x_cat][2]
+            anchor = b.node("Transpose", [b.concat(anchors, axis=0)], [(2, total)], perm=[1, 0])[0]
+            stride_t = b.node("Transpose", [b.concat(strides, axis=0)], [(1, total)], perm=[1, 0])[0]
+            sizes = b.initializer(b._anon("Constant"), np.array([4, num_classes], np.int64))
+            box, cls = b.node("Split", [x_cat, sizes], [(batch, 4, total), (batch, num_classes, total)], axis=1)
+            half = b.initializer(b._anon("Constant"), np.array([2, 2], np.int64))
+            lt, rb = b.node("Split", [box, half], [(batch, 2, total)] * 2, axis=1)
+            x1y1 = b.binary("Sub", anchor, lt)
+            x2y2 = b.add(anchor, rb)
+            c_xy = b.binary("Div", b.add(x1y1, x2y2), b.constant(2.0))
+            wh = b.binary("Sub", x2y2, x1y1)
+            dbox = b.mul(b.concat([c_xy, wh]), stride_t)
+            out = b.concat([dbox, b.sigmoid(cls)])
+    return dynamic_batch(b.build({"output": out}, doc=f"yolo_like image={image} width={width}"))
+
+
+def _anchor_points(b: NetBuilder, s: _Shapes, feat: str, stride: int) -> tuple[str, str]:
+    """``make_anchors`` as traced with dynamic sizes: cell centres ``[h*w, 2]`` (x, y) and
+    strides ``[h*w, 1]``, computed from ``Shape(feat)``."""
+    _, _, h, w = b.shapes[feat]
+    shp = s.shape(feat)
+    hh, ww = s.dim(shp, 2), s.dim(shp, 3)
+    f = TensorProto.FLOAT
+
+    def centres(n: str, size: int) -> str:
+        r = b.node("Range", [s.const(0), n, s.const(1)], [(size,)])[0]
+        return b.add(b.node("Cast", [r], [(size,)], to=f)[0], b.constant(0.5, node=True))
+
+    sx = b.node("Unsqueeze", [centres(ww, w), s.const([0])], [(1, w)])[0]
+    sy = b.node("Unsqueeze", [centres(hh, h), s.const([1])], [(h, 1)])[0]
+    hw = s.vector([hh, ww])
+    gx = b.node("Expand", [sx, hw], [(h, w)])[0]
+    gy = b.node("Expand", [sy, hw], [(h, w)])[0]
+    gx = b.node("Unsqueeze", [gx, s.const([-1])], [(h, w, 1)])[0]
+    gy = b.node("Unsqueeze", [gy, s.const([-1])], [(h, w, 1)])[0]
+    grid = b.concat([gx, gy], axis=-1)
+    points = s.reshape(grid, s.const([-1, 2]), (h * w, 2))
+    count = s.vector([s.binary("Mul", hh, ww), 1])
+    strides = b.node("ConstantOfShape", [count], [(h * w, 1)],
+                     value=numpy_helper.from_array(np.array([float(stride)], np.float32)))[0]
+    return points, strides
+
+
+# ---------------------------------------------------------------------- FPN / segmentation
+def fpn_segmentation(
+    *,
+    batch: int = 1,
+    image: int = 32,
+    width: int = 8,
+    num_classes: int = 5,
+    seed: int = 0,
+    opset: int = 13,
+) -> onnx.ModelProto:
+    """An FPN segmentation net as torchvision-style code exports it with dynamic sizes.
+
+    Backbone Conv-BN-ReLU/2 x3 (C2, C3, C4); lateral 1x1 convs; top-down path
+    ``P3 = L3 + Resize(P4, sizes=Shape(L3)[2:])`` (``F.interpolate(size=...)``: nearest,
+    target computed from shapes) and ``P2 = L2 + ConvTranspose(P3)`` (stride 2); head
+    Conv-BN-ReLU -> ConvTranspose x2 -> 1x1 classes -> ``Resize`` bilinear to the input's
+    size (computed from ``Shape(input)``).
+    """
+    b, x = _start("fpn_segmentation", batch=batch, image=image, seed=seed, opset=opset)
+    s = _Shapes(b)
+    if image % 8:
+        raise ValueError(f"image={image}; expected a multiple of 8")
+
+    def cbr(y: str, cout: int, k: int, stride: int, *, name) -> str:
+        with b.scope(name):
+            return b.relu(b.conv_bn(y, cout, k, stride=stride, pad=k // 2))
+
+    def sizes_of(ref: str) -> str:  # Shape(ref)[2:] as Resize's "sizes" with N, C of the input kept
+        shp = s.shape(ref)
+        return b.node("Slice", [shp, s.const([2]), s.const([4])], [(2,)])[0]
+
+    def resize(y: str, ref: str, mode: str, out_hw) -> str:
+        nb, c = b.shapes[y][:2]
+        shp = s.shape(y)
+        head = b.node("Slice", [shp, s.const([0]), s.const([2])], [(2,)])[0]
+        target = b.node("Concat", [head, sizes_of(ref)], [(4,)], axis=0)[0]
+        attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric" if mode == "nearest" else "half_pixel"}
+        if mode == "nearest":
+            attrs["nearest_mode"] = "floor"
+        return b.node("Resize", [y, "", "", target], [(nb, c, *out_hw)], **attrs)[0]
+
+    def deconv(y: str, cout: int, *, name) -> str:
+        nb, cin, h, w = b.shapes[y]
+        with b.scope(name):
+            wgt = b.param("weight", b.he_weight(cin, cout, 2, 2))  # ConvTranspose: [C_in, C_out, kh, kw]
+            bias = b.param("bias", b.uniform_bias(cout, cin * 4))
+            return b.node("ConvTranspose", [y, wgt, bias], [(nb, cout, 2 * h, 2 * w)], kernel_shape=[2, 2],
+                          strides=[2, 2], pads=[0, 0, 0, 0], dilations=[1, 1], group=1)[0]
+
+    c = width
+    with b.scope("backbone"):
+        c2 = cbr(x, c, 3, 2, name="layer1")
+        c3 = cbr(c2, 2 * c, 3, 2, name="layer2")
+        c4 = cbr(c3, 4 * c, 3, 2, name="layer3")
+    with b.scope("fpn"):
+        with b.scope("inner", 0):
+            l2 = b.conv(c2, c, 1)
+        with b.scope("inner", 1):
+            l3 = b.conv(c3, c, 1)
+        with b.scope("inner", 2):
+            p4 = b.conv(c4, c, 1)
+        p3 = b.add(l3, resize(p4, l3, "nearest", b.shapes[l3][2:]))
+        p2 = b.add(l2, deconv(p3, c, name="up"))
+    with b.scope("head"):
+        y = cbr(p2, c, 3, 1, name=0)
+        y = b.relu(deconv(y, c, name=1))
+        with b.scope("classifier"):
+            y = b.conv(y, num_classes, 1)
+        out = resize(y, x, "linear", (image, image))
+    return dynamic_batch(b.build({"output": out}, doc=f"fpn_segmentation image={image} width={width}"))
+
+
+BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
+    "flatten_head_gather": lambda **kw: flatten_head(form="gather", **kw),
+    "flatten_head_reduceprod": lambda **kw: flatten_head(form="reduceprod", **kw),
+    "shufflenet_v2_block": shufflenet_v2_block,
+    "mobilenet_v3_small_op": lambda **kw: mobilenet_v3_small_like(hardswish_form="op", **kw),
+    "mobilenet_v3_small_hardsigmoid_mul": lambda **kw: mobilenet_v3_small_like(
+        hardswish_form="hardsigmoid_mul", opset=13, **kw
+    ),
+    "mobilenet_v3_small_clip_div": lambda **kw: mobilenet_v3_small_like(hardswish_form="clip_div", **kw),
+    "yolo_like": yolo_like,
+    "fpn_segmentation": fpn_segmentation,
+}
+"""Every builder by name; each compiles with ``--input-shape input=1,3,IMAGE,IMAGE``."""
