@@ -8,7 +8,8 @@ import pytest
 
 from graphs import rel_err
 from tvm_layerfuse.compile.build import compile_model
-from tvm_layerfuse.compile.tune import database_dir, has_database, tune_model
+from tvm_layerfuse.compile.tune import tune_model
+from tvm_layerfuse.compile.tune_database import database_dir, has_database
 from tvm_layerfuse.errors import UsageError
 from tvm_layerfuse.lowering import LayerfusePipeline
 from tvm_layerfuse.runtime import load

@@ -196,7 +196,7 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
 
                 scope.enter_context(nvcc_fatbin(spec.arch))
             scope.enter_context(tgt)
-            from .tune import database_dir, has_database
+            from .tune_database import database_dir, has_database
 
             db = database_dir(spec.target, spec.host)  # written by `tune` for this target
             db = str(db) if fuse and has_database(db) else None

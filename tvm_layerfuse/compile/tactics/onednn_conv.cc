@@ -12,7 +12,7 @@
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
 //   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
 //            dilation_w, groups, act, src_blocked, dst_blocked); act: 0 none, 1 relu (alpha:
-//   negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu (x * sigmoid(x)).
+//   negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu (x * sigmoid(x)), 4 sigmoid.
 //   The BatchNorm of the layer is already folded into w and b (at compile time).
 //
 // Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
@@ -106,6 +106,7 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
       ops.append_eltwise(1.f, dnnl::algorithm::eltwise_clip, static_cast<float>(alpha), static_cast<float>(beta));
       break;
     case 3: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_swish, 1.f, 0.f); break;
+    case 4: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_logistic, 0.f, 0.f); break;
     default: TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << at.act;
   }
   dnnl::primitive_attr attr;

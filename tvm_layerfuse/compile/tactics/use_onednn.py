@@ -15,7 +15,8 @@ so the call becomes::
 
 with ``attrs = (stride_h, stride_w, pad_t, pad_l, pad_b, pad_r, dil_h, dil_w, groups, act)``
 and ``act``: 0 none, 1 relu (``alpha``: LeakyRelu's slope), 2 clip [``alpha``, ``beta``],
-3 silu. A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend on
+3 silu, 4 sigmoid. Other epilogues (gates, adds after the activation, hard-sigmoid/swish,
+GELU, PReLU) stay with TVM. A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend on
 weights only, so ``LiftTransformParams`` computes them at compile time.
 
 Layout (``attrs[10:12]``: src / dst blocked): a tensor whose producer and every reader are
@@ -60,7 +61,7 @@ from . import onednn
 
 log = logging.getLogger(__name__)
 
-ACT_CODES = {None: 0, "relu": 1, "leakyrelu": 1, "clip": 2, "silu": 3}
+ACT_CODES = {None: 0, "relu": 1, "leakyrelu": 1, "clip": 2, "silu": 3, "sigmoid": 4}
 
 
 @dataclass
@@ -198,6 +199,8 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
         if op == "relax.add" and ep.bias is None and ep.residual is None and ep.act is None and _is_bias(others[0], ep):
             ep.bias = arg_of.get(others[0], others[0])
         elif op == "relax.add" and ep.residual is None and ep.act is None:
+            if static_shape(others[0]) != static_shape(b.var):
+                raise Refused("the add after the conv is neither a per-channel bias nor a full-size residual")
             ep.residual = arg_of.get(others[0], others[0])
         elif op == "relax.nn.relu" and ep.act is None:
             ep.act = "relu"
@@ -206,7 +209,10 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
         elif op == "relax.nn.silu" and ep.act is None:
             ep.act = "silu"
         elif op == "relax.sigmoid" and ep.act is None:
-            continue  # sigmoid(z), read by the multiply of silu below; z stays the chain
+            if any(_op(later.value) == "relax.multiply" and any(a.same_as(b.var) for a in later.value.args)
+                   and any(a.same_as(chain) for a in later.value.args) for later in bindings):
+                continue  # sigmoid(z), read by the multiply of silu below; z stays the chain
+            ep.act = "sigmoid"
         elif op == "relax.multiply" and ep.act is None and _op(_value(func, others[0])) == "relax.sigmoid":
             ep.act = "silu"
         elif op in ("relax.maximum", "relax.minimum", "relax.clip") and ep.act in (None, "clip"):
@@ -223,6 +229,8 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
         chain = b.var
     if ep is None:
         raise Refused("no conv2d in the group")
+    if not isinstance(func.body.body, relax.Var) or not func.body.body.same_as(chain):
+        raise Refused("the group's result is not the end of its conv epilogue")
     return ep
 
 
