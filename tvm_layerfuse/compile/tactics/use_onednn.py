@@ -160,6 +160,13 @@ class UseOneDNNConv:
         if len(padding) == 2:
             padding = padding * 2
         dilation = [int(d) for d in a.dilation]
+        # the output size oneDNN will compute: (in + pad - ((k - 1) * dilation + 1)) // stride + 1
+        want = [
+            (x_shape[2 + i] + padding[i] + padding[2 + i] - ((w_shape[2 + i] - 1) * dilation[i] + 1)) // strides[i] + 1
+            for i in range(2)
+        ]
+        if list(out_shape[2:]) != want or min(want) < 1 or out_shape[1] != w_shape[0] or out_shape[0] != x_shape[0]:
+            raise Refused(f"the conv's output {list(out_shape)} is not the {want} oneDNN computes")
         return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act], 0, 0]
 
     def constant(self, expr: relax.Expr, caller_args: Mapping) -> float:
