@@ -635,6 +635,18 @@ def _no_manifest(d: Path) -> None:
     (d / "manifest.json").unlink()
 
 
+def _missing_vendor_library(d: Path) -> None:
+    """A board without the vendor library a tactic library needs (oneDNN's, say)."""
+    lib = {"file": "model.so", "needs": ["libdnnl_absent.so.2"], "install": "apt-get install -y libdnnl2"}
+    _edit_manifest(d, lambda m: m.__setitem__("tactics", {**(m.get("tactics") or {}), "libraries": [lib]}))
+
+
+def _foreign_cpu(d: Path) -> None:
+    """An artifact compiled for a CPU with an extension this one lacks."""
+    flags, target = ["avx2", "avx512_nonexistent"], {"kind": "llvm", "mcpu": "futurecpu"}
+    _edit_manifest(d, lambda m: m["target"].update(cpu_flags=flags, tvm_target=target))
+
+
 ARTIFACT_CASES = [
     ("checksum mismatch (a flipped byte in params.npz)", _flip_byte, ("'params.npz' in artifact", "has sha256")),
     ("manifest names ../../etc/passwd", _escape, ("names '../../etc/passwd', outside the artifact; refusing",)),
@@ -651,6 +663,12 @@ ARTIFACT_CASES = [
     ("manifest declaring a huge input", _huge_input, ("declares shape [100000, 3, 100000, 100000] (3e+15 elements",)),
     ("artifact of another format version", _other_version, ("has format version 99",)),
     ("no manifest", _no_manifest, ("has no manifest.json",)),
+    (
+        "vendor library missing on this machine",
+        _missing_vendor_library,
+        ("needs libdnnl_absent.so.2 (for model.so), which is not installed", "apt-get install -y libdnnl2"),
+    ),
+    ("compiled for a CPU with more extensions", _foreign_cpu, ("compiled for CPU futurecpu and needs avx512_nonexistent", "cpu-portable")),
 ]
 
 

@@ -56,7 +56,8 @@ def test_manifest_describes_the_artifact(cpu_artifacts):
     assert m["target"]["preset"] == "cpu" and m["target"]["machine"] == "x86_64"
     assert m["inputs"] == [{"name": "input", "shape": [1, 3, 32, 32], "dtype": "float32"}]
     assert m["outputs"][0]["name"] == "output"
-    assert set(m["files"]) == {"model.so", "params.npz"}
+    carried = {lib["file"] for lib in m["tactics"]["libraries"]}  # the oneDNN tactic library, where used
+    assert set(m["files"]) == {"model.so", "params.npz"} | carried
     for name, digest in m["files"].items():
         assert artifact.sha256_file(fused / name) == digest
     assert m["fusion"]["plan"]["concat_in_place"] == 8 and m["fused"] is True

@@ -49,7 +49,7 @@ def squeezenet(tmp_path_factory):
     assert_live(model)
     path = d / "squeezenet.onnx"
     onnx.save(model, path)
-    art = compile_model(path, d / "cpu", target="cpu", fuse=True, progress=False)
+    art = compile_model(path, d / "cpu", target="cpu", fuse=True, progress=False, tactics="tvm")
     return model, path, art
 
 
@@ -128,7 +128,7 @@ def test_tuple_outputs_come_back_by_name(tmp_path, server):
     pooled = n.maxpool(n.relu(n.bn(n.conv(cat, 5))), k=2, stride=2, pad=0)
     model = n.build([cat, pooled])
     onnx.save(model, tmp_path / "two.onnx")
-    art = compile_model(tmp_path / "two.onnx", tmp_path / "art", target="cpu", progress=False)
+    art = compile_model(tmp_path / "two.onnx", tmp_path / "art", target="cpu", progress=False, tactics="tvm")
     feeds = {"x": np.random.default_rng(1).standard_normal((1, 4, 8, 8)).astype(np.float32)}
 
     result = rpc.deploy(art, rpc=server.address, inputs=feeds)
@@ -142,7 +142,7 @@ def test_scalar_weights_survive_the_trip(tmp_path, server):
     """MobileNetV2's folded Clip bounds are 0-d weights: they must stay 0-d on the board."""
     model = zoo.mobilenet_v2(image=32)
     onnx.save(model, tmp_path / "mobilenet.onnx")
-    art = compile_model(tmp_path / "mobilenet.onnx", tmp_path / "art", target="cpu", progress=False)
+    art = compile_model(tmp_path / "mobilenet.onnx", tmp_path / "art", target="cpu", progress=False, tactics="tvm")
     with np.load(art / "params.npz") as weights:
         assert any(weights[n].ndim == 0 for n in weights.files)
     x = {"input": np.random.default_rng(5).standard_normal((1, 3, 32, 32)).astype(np.float32)}

@@ -67,6 +67,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..report import plan_text
 
     model = _model_arg(args.model)
+    if model.is_dir():  # an artifact: its target and the tactic of every conv layer
+        return _inspect_artifact(model, args)
     result = plan(model, input_shapes=parse_input_shapes(args.input_shape))
     if args.dot:
         from ..dot import write_dot
@@ -148,6 +150,43 @@ def _add_vta_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _inspect_artifact(path: Path, args: argparse.Namespace) -> int:
+    from ..compile.tactics import format_tactics
+    from ..runtime.artifact import read_manifest
+
+    manifest = read_manifest(path)
+    target, tactics = manifest["target"], manifest.get("tactics")
+    if args.json:
+        json.dump({"target": target, "tactics": tactics}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    tvm_target = target.get("tvm_target") or {}
+    portable = "portable" if target.get("portable", True) else "this CPU only: " + ", ".join(target.get("cpu_flags") or [])
+    sys.stdout.write(f"artifact {path}: target {target.get('preset')} ({tvm_target.get('mcpu', 'generic')}, {portable})\n")
+    sys.stdout.write(format_tactics(tactics) + "\n")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from ..compile.tune import tune_model
+
+    result = tune_model(
+        _model_arg(args.model),
+        target=args.target,
+        arch=args.arch,
+        trials=args.trials,
+        budget=args.budget,
+        tactics=args.tactics,
+        input_shapes=parse_input_shapes(args.input_shape),
+        rpc=args.rpc,
+        tracker=args.tracker,
+        key=args.key,
+        progress=not getattr(args, "quiet", False) and sys.stderr.isatty(),
+    )
+    say(args, f"tuned {result.tasks} kernels, {result.trials} trials in {result.seconds:.0f} s; database {result.database}")
+    return 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from ..compile.build import compile_model
 
@@ -165,6 +204,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         input_shapes=parse_input_shapes(args.input_shape),
         force=args.force,
         progress=not args.quiet and sys.stderr.isatty(),
+        tactics=args.tactics,
     )
     say(args, f"wrote artifact {out}")
     if not args.quiet:
@@ -172,6 +212,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         manifest = read_manifest(out)
         fusion = manifest["fusion"]
+        tactics = manifest.get("tactics") or {}
+        if tactics.get("counts"):
+            print("tactics: " + ", ".join(f"{k} {v} layers" for k, v in sorted(tactics["counts"].items())))
         if fusion.get("plan"):
             c = fusion["plan"]
             print(
@@ -241,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
-        "inspect", parents=[verbosity_parent()], help="show the topology graph, the fusion plan and the fused graph"
+        "inspect",
+        parents=[verbosity_parent()],
+        help="show the topology graph, the fusion plan and the fused graph (of an artifact directory: its target "
+        "and the tactic of every conv layer)",
     )
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="print the plan and both graphs as JSON")
@@ -266,7 +312,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fuse", action="store_true", help="build with TVM's default pipeline only, for comparison")
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     _add_vta_args(p)
+    p.add_argument(
+        "--tactics",
+        choices=("auto", "onednn", "tvm"),
+        default="auto",
+        help="conv implementation: oneDNN where installed (auto), oneDNN or fail, or TVM's kernels only",
+    )
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser(
+        "tune", parents=[verbosity_parent()], help="MetaSchedule-tune the kernels that stay with TVM (database per target)"
+    )
+    _add_model_args(p)
+    p.add_argument("--target", default="cpu", help="target preset (cpu, cpu-portable, aarch64, cuda) or a preset JSON file")
+    p.add_argument("--arch", help="GPU architecture for --target cuda")
+    p.add_argument("--trials", type=int, default=256, help="measurements in all (default 256)")
+    p.add_argument("--budget", type=float, metavar="SECONDS", help="stop the search after this many seconds")
+    p.add_argument("--tactics", choices=("auto", "onednn", "tvm"), default="auto", help="as for compile")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--rpc", metavar="HOST:PORT", help="measure on a board through TVM's RPC runner (its tracker)")
+    where.add_argument("--tracker", metavar="HOST:PORT", help="measure on the boards of an RPC tracker")
+    p.add_argument("--key", help="device key of the boards (with --rpc/--tracker)")
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("run", parents=[verbosity_parent()], help="run an artifact on inputs with the TVM runtime")
     p.add_argument("artifact", help="artifact directory written by compile")

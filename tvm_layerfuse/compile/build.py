@@ -51,10 +51,13 @@ def compile_model(
     force: bool = False,
     progress: bool = True,
     on_commit: Optional[Callable[[], None]] = None,
+    tactics: str = "auto",
 ) -> Path:
     """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``.
 
-    ``on_commit()`` runs the instant the artifact is in place (see :func:`artifact.write_artifact`)."""
+    ``on_commit()`` runs the instant the artifact is in place (see :func:`artifact.write_artifact`).
+    ``tactics``: ``auto`` | ``onednn`` | ``tvm``, which implementation runs the conv layers
+    (see :mod:`tvm_layerfuse.compile.tactics`)."""
     spec = resolve(target, arch=arch)
     check_toolchain(spec)
     from tqdm import tqdm
@@ -76,6 +79,9 @@ def compile_model(
             p = make_plan(model, input_shapes=input_shapes)
         with step("import and fuse"):
             mod, params, report = relax_module(model, plan=p, fuse=fuse, input_shapes=input_shapes)
+            from .tactics import apply_tactics
+
+            mod, tactic_plan = apply_tactics(mod, params, spec, tactics=tactics)
         with step("fold weights"):
             mod, weights = lift_weights(mod, params)
             mod = safe_param_names(mod)
@@ -92,8 +98,14 @@ def compile_model(
 
             def fill(tmp: Path) -> dict[str, Any]:
                 shutil.copyfile(library, tmp / artifact.LIBRARY)
+                if tactic_plan.library is not None:  # the tactic library travels with the model
+                    from .tactics.onednn import LIBRARY_FILE
+
+                    shutil.copyfile(tactic_plan.library, tmp / LIBRARY_FILE)
                 savez(tmp / artifact.PARAMS, dict(zip(names, weights)))
-                return _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
+                manifest = _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
+                manifest["tactics"] = tactic_plan.manifest()
+                return manifest
 
             artifact.write_artifact(Path(out), fill, overwrite=force, on_commit=on_commit)
     log.info("compiled %s for %s in %s", p.model, spec.preset, timings)
@@ -184,7 +196,13 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
 
                 scope.enter_context(nvcc_fatbin(spec.arch))
             scope.enter_context(tgt)
-            pipeline = layerfuse_pipeline(tgt) if fuse else relax.get_default_pipeline(tgt)
+            from .tune_database import database_dir, has_database
+
+            db = database_dir(spec.target, spec.host)  # written by `tune` for this target
+            db = str(db) if fuse and has_database(db) else None
+            if db is not None:
+                log.info("applying the tuning database %s", db)
+            pipeline = layerfuse_pipeline(tgt, database=db) if fuse else relax.get_default_pipeline(tgt)
             return tvm_compile(mod, target=tgt, relax_pipeline=pipeline)  # works around an LLVM crash
     except BuildError:
         raise

@@ -4,6 +4,13 @@ A preset (``targets/*.json``) is data: the TVM target dict, the host target, the
 compiler that links the library, the device kind (``cpu``/``cuda``) and the machine
 architecture of the hosts that will load the artifact. ``archs`` entries (CUDA) override
 any of these per architecture, e.g. ``sm_87`` (Jetson Orin) has an aarch64 host.
+
+CPU code generation: ``"mcpu": "host"`` in a preset's target (the ``cpu`` preset) is
+replaced at compile time by this machine's CPU name as LLVM knows it (``znver4``,
+``sapphirerapids`` ...), so LLVM emits AVX2/AVX-512 code; the artifact then needs a CPU with
+the same extensions. ``cpu-portable`` names the baseline ``x86-64`` for artifacts that move
+between machines. The manifest records the resolved target (``target.tvm_target.mcpu``) and
+``target.portable``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class TargetSpec:
     arch: Optional[str] = None
     install_hint: Optional[str] = None
     extra: dict[str, Any] = field(default_factory=dict)
+    host_cpu: bool = False  # the target's -mcpu is this build machine's CPU (not portable)
 
     def tvm_target(self):
         import tvm
@@ -48,11 +56,38 @@ class TargetSpec:
             "tvm_target": self.target,
             "host": self.host,
             "cross_compiler": self.cross_compiler,
+            "portable": not self.host_cpu,
+            "cpu_flags": _build_cpu_flags() if self.host_cpu else [],
         }
 
 
+HOST_CPU = "host"  # the "mcpu" placeholder for this build machine's CPU
+
+
+def _presets():
+    """The folder of preset files: ``targets/`` of this checkout when there is one (so a
+    source tree on PYTHONPATH uses its own presets), else the installed package data."""
+    here = Path(__file__).resolve().parents[2] / "targets"
+    if (here / "cpu.json").is_file():
+        return here
+    return importlib.resources.files("tvm_layerfuse.targets")
+
+
 def preset_names() -> list[str]:
-    return sorted(p.name[:-5] for p in importlib.resources.files("tvm_layerfuse.targets").iterdir() if p.name.endswith(".json"))
+    return sorted(p.name[:-5] for p in _presets().iterdir() if p.name.endswith(".json"))
+
+
+def _build_cpu_flags() -> list[str]:
+    from ..runtime.tactics import tracked_flags
+
+    return tracked_flags()
+
+
+def host_cpu_name() -> str:
+    """This machine's CPU as LLVM names it (``-mcpu``), e.g. ``znver4``."""
+    from tvm.target import codegen
+
+    return str(codegen.llvm_get_system_cpu())
 
 
 def _load_preset(name: str) -> dict[str, Any]:
@@ -62,7 +97,7 @@ def _load_preset(name: str) -> dict[str, Any]:
             raise UsageError(f"target file {name!r} does not exist; expected a preset name ({', '.join(preset_names())}) or a JSON file")
         source = path.read_text()
     else:
-        res = importlib.resources.files("tvm_layerfuse.targets") / f"{name}.json"
+        res = _presets() / f"{name}.json"
         if not res.is_file():
             raise UsageError(f"target {name!r} is unknown; expected one of {', '.join(preset_names())} or a JSON preset file")
         source = res.read_text()
@@ -90,6 +125,9 @@ def resolve(name: str = "cpu", *, arch: Optional[str] = None) -> TargetSpec:
         if arch is not None:
             raise UsageError(f"--arch applies to GPU targets; target {name!r} takes none - leave --arch out")
         target = dict(data["target"])
+    host_cpu = target.get("mcpu") == HOST_CPU
+    if host_cpu:
+        target["mcpu"] = host_cpu_name()
     return TargetSpec(
         preset=data.get("name", Path(name).stem),
         description=data.get("description", ""),
@@ -100,6 +138,7 @@ def resolve(name: str = "cpu", *, arch: Optional[str] = None) -> TargetSpec:
         cross_compiler=data.get("cross_compiler"),
         arch=arch if archs else None,
         install_hint=data.get("install_hint"),
+        host_cpu=host_cpu,
     )
 
 

@@ -76,6 +76,13 @@ def check_library(path: Path, manifest: Mapping[str, Any]) -> None:
             f"library {manifest['library']!r} of artifact {str(path)!r} is {found} code, but the manifest says "
             f"{expected}; the artifact was edited or mixed up - re-run `compile`"
         )
+    tactic_libraries = (manifest.get("tactics") or {}).get("libraries") or []
+    if tactic_libraries:  # the board would need the library loaded before the model (not uploaded yet)
+        names = ", ".join(str(lib.get("file")) for lib in tactic_libraries if isinstance(lib, dict))
+        raise ArtifactError(
+            f"artifact {str(path)!r} runs conv layers on a tactic library ({names}), which deploy does not upload; "
+            "nothing was uploaded - compile it with --tactics tvm for RPC boards, or `bundle` it for the board"
+        )
 
 
 def fit_board(manifest: Mapping[str, Any], *, board: str, machine: Optional[str]) -> None:

@@ -137,7 +137,9 @@ class LayerfusePipeline:
     Options (keywords): ``split_outputs`` (remove split kernels; ``None``: on for CPU, off
     for GPU targets, see below), ``inplace_concat`` (remove concat kernels), ``nested``
     (nested concats share one block), ``prologue`` (inline BatchNorm+Relu prologue groups
-    into their conv, :class:`.inline_prologue.InlinePrologue`), ``stop_after`` (``"StaticPlanBlockMemory"`` ends the
+    into their conv, :class:`.inline_prologue.InlinePrologue`), ``database`` (a MetaSchedule
+    database folder written by ``tune``: its schedules are applied right after the lowering
+    passes), ``stop_after`` (``"StaticPlanBlockMemory"`` ends the
     pipeline right after memory planning, for :func:`concat_report`; None runs it all). With
     the three passes off this is TVM's default pipeline. ``split_report`` and ``inplace_report``
     describe the last run; ``notes`` says what was left out for this target and why.
@@ -159,8 +161,10 @@ class LayerfusePipeline:
         nested: bool = True,
         prologue: bool = True,
         stop_after: Optional[str] = None,
+        database: Optional[str] = None,
     ) -> None:
         self.target = as_target(target)
+        self.database = database  # a MetaSchedule database folder, applied after the lowering passes
         gpu = self.target.kind.name != "llvm"
         self.notes: list[str] = []
         if split_outputs and gpu:
@@ -193,6 +197,8 @@ class LayerfusePipeline:
     def passes(self) -> list:
         dispatch, legalize, lower, finalize = _stages(self.target)
         ours = [p for p in (self._prologue, self._split, self._concat) if p is not None]
+        if self.database is not None:  # tuned schedules for the kernels as the lowering left them
+            ours.append(relax.transform.MetaScheduleApplyDatabase(self.database))
         seq = dispatch + _insert_after_fuse_tir(legalize, ours) + lower + finalize
         if self.stop_after is not None:
             names = [p.info.name for p in seq]

@@ -9,6 +9,7 @@
 * :mod:`.artifact` - the artifact format (manifest, checksums, atomic write);
 * :mod:`.loader` - :func:`load` / :class:`Runtime`: checks, then loads the library and weights;
 * :mod:`.io` - input files (.npy/.npz/images) and output files (.npz), shared by ``run`` and ``deploy``;
+* :mod:`.tactics` - the CPU-extension check and the tactic libraries an artifact carries (oneDNN).
 * :mod:`.vta` - :class:`VTARuntime`, a VTA artifact (simulator or board) behind the same interface.
 
 :func:`load` reads the manifest and picks the loader by the artifact's target: one call

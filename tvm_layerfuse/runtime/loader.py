@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import ArtifactError, DeviceError, InputError, first_line
 from . import artifact
+from . import tactics as runtime_tactics
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Runtime:
         manifest = artifact.read_manifest(self.path)
         check_target(manifest, device=device, machine=this_machine())
         artifact.verify(self.path, manifest)
+        runtime_tactics.check_cpu(manifest, path=self.path)
         self.manifest = manifest
         self.inputs: list[dict[str, Any]] = manifest["inputs"]
         self.outputs: list[dict[str, Any]] = manifest["outputs"]
@@ -104,6 +106,7 @@ class Runtime:
         self.device = tvm.cuda(index) if kind == "cuda" else tvm.cpu(0)
         if not self.device.exist:
             raise DeviceError(f"device {device!r} is not available on this machine; expected a visible GPU")
+        runtime_tactics.load_tactics(self.path, manifest)  # before the model: it calls their functions
         try:
             lib = tvm.runtime.load_module(str(self.path / manifest["library"]))
         except Exception as e:

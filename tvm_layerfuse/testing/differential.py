@@ -10,6 +10,9 @@ stage's result is compared with an independent one::
     fuse(model, plan=plan) built         vs the reference and vs unfused          -> fused-mismatch
       ... built with layerfuse_pipeline  the same (what `compile` builds:         -> lowered-mismatch
                                          in-place concat, split-output buffers)
+      ... with the oneDNN tactic         the same, conv layers on oneDNN where     -> tactics-mismatch
+                                         the tactic rule picks it (skipped where
+                                         oneDNN is not installed)
 
 A stage that raises gives ``<stage>-crash``; a fused build that our code *refuses* with a
 :class:`~tvm_layerfuse.errors.LayerfuseError` while the unfused build works is counted as
@@ -67,11 +70,15 @@ KINDS = (
     "fused-mismatch",
     "lowered-crash",
     "lowered-mismatch",
+    "tactics-crash",
+    "tactics-mismatch",
 )
 """Disagreement kinds, in the order the stages run (a case reports the first stage's only
 when later stages cannot run without it)."""
 
 STAGES = ("plan", "realize", "unfused", "fused", "lowered")
+ALL_STAGES = (*STAGES, "tactics")
+"""``tactics`` (oneDNN) is asked for explicitly: ``stages=("unfused", "tactics")``, or ``fuzz.py --stages``."""
 
 
 @dataclass
@@ -344,6 +351,8 @@ def check_case(
         lap("realize")
 
     base = None
+    tgt = target or default_target()
+    inputs = [feeds[vi.name] for vi in model.graph.input if vi.name in feeds]
     if "unfused" in stages or "fused" in stages:
         from ..relax.pipeline import build, run, unfused
 
@@ -358,7 +367,7 @@ def check_case(
         lap("unfused")
 
     fused_mod = None
-    if "fused" in stages or "lowered" in stages:
+    if "fused" in stages or "lowered" in stages or "tactics" in stages:
         from ..relax.pipeline import build, fuse, run
 
         try:
@@ -398,6 +407,29 @@ def check_case(
             if ok and base is not None:
                 _compare(result, "lowered-mismatch", "lowered", base, got, names, scales, against="unfused")
         lap("lowered")
+
+    if "tactics" in stages and fused_mod is not None:
+        from ..compile.tactics import onednn
+
+        if onednn.availability() is None:  # the tactic choice: what `compile` builds with oneDNN
+            import tvm
+
+            from ..compile.tactics.use_onednn import UseOneDNNConv
+            from ..lowering import layerfuse_pipeline
+            from ..relax.pipeline import run
+
+            try:
+                with tgt:
+                    mod = UseOneDNNConv()(fused_mod)
+                    ex = tvm.compile(mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
+                got = run(ex, inputs)
+            except Exception as e:
+                result.findings.append(Finding("tactics-crash", _error_line(e) + _where(e)))
+            else:
+                ok = _compare(result, "tactics-mismatch", "tactics", ref, got, names, scales)
+                if ok and base is not None:
+                    _compare(result, "tactics-mismatch", "tactics", base, got, names, scales, against="unfused")
+            lap("tactics")
     return result
 
 

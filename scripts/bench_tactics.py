@@ -1,0 +1,227 @@
+"""Four sides in one process, same input, interleaved rounds: where the time goes.
+
+Usage: python scripts/bench_tactics.py [NAME ...] [--rounds 15] [--default-rounds 3]
+                                       [--threads 2] [--breakdown] [--png FILE]
+
+NAME: zoo builders (tvm_layerfuse.testing.zoo) at full width with seeded weights:
+googlenet, inception_v3 (299x299), resnet50, squeezenet1_1, densenet121, mobilenet_v2
+(default: all six). Sides:
+
+  tvm-default   TVM's default pipeline, untuned (its CPU kernels are plain loops)
+  layerfuse     fusion + the tactic choice (oneDNN where it takes the layer)
+  fusion-off    the same tactic choice on the unfused model, TVM's default pipeline
+  onnxruntime   CPU provider, all graph optimisations, ``--threads`` intra-op threads
+
+Every round runs each side once on the same input (tvm-default only in the first
+``--default-rounds`` rounds: it takes seconds). Prints medians, the spread (min-max), the
+ratios, and with ``--breakdown`` the time of each side's calls grouped by kind (conv /
+pool / concat / element-wise / layout / other), measured with the VM's instrument hook in
+a separate, un-timed run (the hook adds Python overhead per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+
+def _threads_from_argv() -> str:
+    """--threads N, read before TVM, OpenMP and oneDNN start their thread pools."""
+    argv = sys.argv
+    for k, a in enumerate(argv):
+        if a == "--threads" and k + 1 < len(argv):
+            return argv[k + 1]
+        if a.startswith("--threads="):
+            return a.split("=", 1)[1]
+    return "2"
+
+
+for _var in ("OMP_NUM_THREADS", "TVM_NUM_THREADS"):
+    os.environ.setdefault(_var, _threads_from_argv())
+
+import numpy as np  # noqa: E402 (after the thread settings)
+import onnxruntime as ort  # noqa: E402 (after the thread settings)
+import tvm  # noqa: E402 (after the thread settings)
+from tvm import relax  # noqa: E402 (after the thread settings)
+
+from tvm_layerfuse.compile.presets import resolve  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.lowering import layerfuse_pipeline  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo  # noqa: E402 (after the thread settings)
+
+MODELS = {  # torchvision's full configurations
+    "googlenet": dict(image=224),
+    "inception_v3": dict(image=299),
+    "resnet50": dict(image=224, layers=(3, 4, 6, 3)),
+    "squeezenet1_1": dict(image=224),
+    "densenet121": dict(image=224, block_config=(6, 12, 24, 16)),
+    "mobilenet_v2": dict(image=224, setting=zoo._MOBILENET_V2_SETTING, last_channel=1280),
+}
+SIDES = ("tvm-default", "layerfuse", "fusion-off", "onnxruntime")
+CLOCK = ["wall"]
+
+
+def kind_of(symbol: str) -> str:
+    s = symbol.lower()
+    if "concat" in s:  # TVM's concatenate kernels and layerfuse.onednn.concat
+        return "concat"
+    if "onednn" in s or "conv" in s:
+        return "conv"
+    if "pool" in s:
+        return "pool"
+    if any(k in s for k in ("transpose", "layout", "reshape", "permute")):
+        return "layout"
+    if s.startswith("vm.builtin") or "alloc" in s:
+        return "other"
+    if any(k in s for k in ("matmul", "dense", "linear")):
+        return "other"
+    return "element-wise"
+
+
+def build(model, *, fuse: bool, tactics: bool, target):
+    mod = fuse_with_report(model, bind=True).mod if fuse else unfused(model)
+    chooser = None
+    if tactics:
+        chooser = UseOneDNNConv()
+        mod = chooser(mod)
+    pipeline = layerfuse_pipeline(target) if fuse else relax.get_default_pipeline(target)
+    ex = tvm.compile(mod, target=target, relax_pipeline=pipeline)
+    return relax.VirtualMachine(ex, tvm.cpu()), chooser
+
+
+def breakdown(vm, args) -> dict[str, float]:
+    """ms per kind for one run, by the VM's instrument hook."""
+    spent: dict[str, float] = defaultdict(float)
+    start: list[float] = []
+
+    clock = time.process_time if CLOCK[0] == "cpu" else time.perf_counter
+
+    def instrument(func, symbol, before, ret, *rest):
+        if before:
+            start.append(clock())
+        else:
+            spent[kind_of(str(symbol))] += (clock() - start.pop()) * 1e3
+        return 0
+
+    vm.set_instrument(instrument)
+    vm["main"](*args)
+    vm.set_instrument(lambda *a: 0)
+    return dict(spent)
+
+
+def bench(name: str, args) -> dict:
+    model = getattr(zoo, name)(width=1.0, num_classes=1000, seed=0, **MODELS[name])
+    feeds = random_inputs(model, 0)
+    target = resolve("cpu").tvm_target()
+    t = time.perf_counter()
+    vms = {}
+    vms["layerfuse"], chooser = build(model, fuse=True, tactics=True, target=target)
+    vms["fusion-off"], _ = build(model, fuse=False, tactics=True, target=target)
+    if args.default_rounds:
+        vms["tvm-default"], _ = build(model, fuse=False, tactics=False, target=target)
+    build_s = time.perf_counter() - t
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = args.threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    tvm_args = [tvm.runtime.tensor(v) for v in feeds.values()]
+    expected = run_onnxruntime(model, feeds)[0]
+    check = {}
+    for side, vm in vms.items():
+        out = vm["main"](*tvm_args)
+        out = out if hasattr(out, "numpy") else out[0]
+        check[side] = float(np.abs(out.numpy() - expected).max() / np.abs(expected).max())
+
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
+    def run_side(side):
+        if side == "onnxruntime":
+            t0 = clock()
+            sess.run(None, feeds)
+            return (clock() - t0) * 1e3
+        f = vms[side]["main"]
+        t0 = clock()
+        f(*tvm_args)
+        return (clock() - t0) * 1e3
+
+    for side in ("layerfuse", "fusion-off", "onnxruntime"):  # warm-up (primitives, weight reorders)
+        for _ in range(3):
+            run_side(side)
+    samples = defaultdict(list)
+    for r in range(args.rounds):
+        for side in SIDES:
+            if side == "tvm-default" and (r >= args.default_rounds or side not in vms):
+                continue
+            samples[side].append(run_side(side))
+    res = {"name": name, "build_s": build_s, "check": check, "samples": samples, "tactics": chooser.layers}
+    if args.breakdown:
+        res["breakdown"] = {side: breakdown(vms[side], tvm_args) for side in ("layerfuse", "fusion-off")}
+    return res
+
+
+def report(results, args) -> None:
+    print(f"# bench_tactics: batch 1, fp32, {args.threads} threads, {args.clock} clock, {args.rounds} interleaved rounds "
+          f"(tvm-default: {args.default_rounds}); medians in ms, [min-max]")
+    print()
+    print(
+        "| model | tvm-default | layerfuse | fusion-off | onnxruntime | layerfuse/ort | fusion-off/layerfuse "
+        "| oneDNN layers | max rel err |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        med = {s: statistics.median(v) for s, v in r["samples"].items()}
+
+        def cell(s):
+            v = r["samples"].get(s)
+            return f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]" if v else "-"
+
+        used = sum(c.tactic == "onednn" for c in r["tactics"])
+        convs = sum(c.tactic in ("onednn", "tvm") for c in r["tactics"])
+        print(
+            f"| {r['name']} | {cell('tvm-default')} | {cell('layerfuse')} | {cell('fusion-off')} | {cell('onnxruntime')} "
+            f"| {med['layerfuse'] / med['onnxruntime']:.3f} | {med['fusion-off'] / med['layerfuse']:.3f} "
+            f"| {used}/{convs} | {max(r['check'].values()):.1e} |"
+        )
+    if args.breakdown:
+        print()
+        print("per-kernel time by kind (ms, one instrumented run each; the hook adds overhead per call)")
+        for r in results:
+            for side, kinds in r["breakdown"].items():
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+                print(f"  {r['name']:<14} {side:<11} total {sum(kinds.values()):.2f}: {parts}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", default=list(MODELS))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--default-rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time (with --threads 1 it is the work of one inference, "
+        "insensitive to other processes competing for the cores)",
+    )
+    args = ap.parse_args()
+    CLOCK[0] = args.clock
+    unknown = [n for n in args.names if n not in MODELS]
+    if unknown:
+        sys.exit(f"error: model {unknown[0]!r} is unknown; expected one of {', '.join(MODELS)}")
+    results = []
+    for name in args.names:
+        results.append(bench(name, args))
+        print(f"[{name}: built in {results[-1]['build_s']:.0f} s]", file=sys.stderr, flush=True)
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()

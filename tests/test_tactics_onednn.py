@@ -1,0 +1,255 @@
+"""The oneDNN conv tactic: same answers as onnxruntime (zoo networks, random graphs), every
+post-op kind, the artifact carries the library and loads it in a runtime-only process, and
+the fallbacks where oneDNN is missing (compile: TVM kernels + one warning line; load: one
+line naming the library and its install command)."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from hypothesis import HealthCheck, given, settings
+from tvm import relax
+
+from graphs import rel_err
+from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.compile.presets import resolve
+from tvm_layerfuse.compile.tactics import apply_tactics, format_tactics, onednn
+from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
+from tvm_layerfuse.errors import ArtifactError, BuildError
+from tvm_layerfuse.lowering import layerfuse_pipeline
+from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused
+from tvm_layerfuse.runtime import load
+from tvm_layerfuse.testing import cnn_graphs, random_cnn, random_inputs, run_onnxruntime, zoo
+
+RTOL = 1e-4
+MISSING = onednn.availability()
+needs_onednn = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
+
+
+def _run_with_tactic(model, *, fuse=True):
+    """(max rel. error against onnxruntime over the outputs, the pass's layer choices)."""
+    feeds = random_inputs(model, 0)
+    expected = run_onnxruntime(model, feeds)
+    mod = fuse_with_report(model, bind=True).mod if fuse else unfused(model)
+    chooser = UseOneDNNConv()
+    mod = chooser(mod)
+    tgt = resolve("cpu").tvm_target()
+    ex = tvm.compile(mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt) if fuse else relax.get_default_pipeline(tgt))
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(v) for v in feeds.values()])
+    got = [out] if hasattr(out, "numpy") else list(out)
+    assert len(got) == len(expected)
+    errs = []
+    for e, g in zip(expected, got):
+        assert np.abs(e).max() > 1e-3, "dead output: the comparison would prove nothing"
+        errs.append(rel_err(g.numpy(), e))
+    return max(errs), chooser.layers
+
+
+@needs_onednn
+def test_extension_gives_optimised_kernels():
+    assert onednn.version().startswith("2.")
+    k = onednn.implementation([1, 64, 28, 28], [96, 64, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0], residual=True, alpha=0, beta=0)
+    assert k and not k.startswith("ref"), k
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "builder, kind",
+    [
+        (lambda: zoo.resnet50(seed=4), "_add_relu"),  # the residual as oneDNN's sum post-op
+        (lambda: zoo.mobilenet_v2(seed=5), "_clip"),  # ReLU6; depthwise convs
+    ],
+    ids=["resnet50", "mobilenet_v2"],
+)
+def test_zoo_nets_match_onnxruntime(builder, kind):
+    err, layers = _run_with_tactic(builder())
+    assert err <= RTOL
+    assert sum(c.tactic == "onednn" for c in layers) >= 10
+    assert any(kind in c.layer for c in layers if c.tactic == "onednn")
+    assert not any(c.kernel.startswith("ref") for c in layers)
+
+
+@needs_onednn
+def test_tensors_between_onednn_layers_stay_blocked():
+    """ResNet bottlenecks: conv -> conv edges (and residuals) in nChw16c, no reorder between."""
+    err, layers = _run_with_tactic(zoo.resnet50(seed=8, width=0.25))
+    assert err <= RTOL
+    layouts = Counter(c.layout for c in layers if c.tactic == "onednn")
+    assert layouts["nChw16c>nChw16c"] >= 8, layouts
+    assert all(c.kernel.startswith(("jit", "brg")) for c in layers if "nChw16c" in c.layout)
+
+
+@needs_onednn
+@pytest.mark.parametrize("seed", [1, 4, 7, 12])
+def test_random_graphs_match_onnxruntime(seed):
+    err, layers = _run_with_tactic(random_cnn(seed, max_layers=8))
+    assert err <= RTOL
+    assert all(c.tactic in ("onednn", "tvm") for c in layers)
+    assert all(c.reason for c in layers if c.tactic == "tvm")  # every refusal says why
+
+
+@needs_onednn
+def test_every_activation_post_op():
+    """Relu, Clip, LeakyRelu, SiLU and the residual sum, each run by oneDNN at least once."""
+    seen = Counter()
+    for seed in range(40):
+        model = random_cnn(seed, max_layers=6, batch=1)
+        err, layers = _run_with_tactic(model)
+        assert err <= RTOL, seed
+        for c in layers:
+            if c.tactic == "onednn":
+                seen[c.layer.split("layerfuse_conv2d_")[-1].rstrip("_0123456789")] += 1
+        if {"bias_relu", "bias_clip", "bias_leakyrelu", "bias_silu", "bias_add_relu"} <= set(seen):
+            break
+    assert {"bias_relu", "bias_clip", "bias_leakyrelu", "bias_silu"} <= set(seen), seen
+
+
+@needs_onednn
+def test_fusion_off_with_the_same_tactic():
+    err, layers = _run_with_tactic(zoo.googlenet(seed=2, blocks=2), fuse=False)
+    assert err <= RTOL and all(c.tactic == "onednn" for c in layers) and layers
+
+
+@needs_onednn
+def test_artifact_carries_the_library_and_runs_runtime_only(tmp_path, capsys):
+    model = zoo.squeezenet1_1(image=32, seed=3)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    out = compile_model(path, tmp_path / "art", target="cpu", progress=False)
+    m = json.loads((out / "manifest.json").read_text())
+    t = m["tactics"]
+    assert t["used"] == "onednn" and t["counts"]["onednn"] == 26
+    assert t["libraries"] == [{"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL}]
+    assert onednn.LIBRARY_FILE in m["files"] and (out / onednn.LIBRARY_FILE).is_file()
+    text = format_tactics(t)
+    assert "onednn: 26 layers" in text and "ref:" not in text and "avx" in text
+    from tvm_layerfuse.cli import main
+
+    assert main(["inspect", str(out)]) == 0  # inspect of an artifact shows every layer's tactic
+    shown = capsys.readouterr().out
+    assert "target cpu" in shown and "onednn: 26 layers" in shown and shown.count("onednn ") >= 26
+    feeds = random_inputs(model, 9)
+    np.savez(tmp_path / "x.npz", **feeds)
+    script = (
+        "import sys, numpy as np\n"
+        "from tvm_layerfuse.runtime import load\n"
+        f"y = load({str(out)!r}).run(dict(np.load({str(tmp_path / 'x.npz')!r})))\n"
+        f"np.savez({str(tmp_path / 'y.npz')!r}, **y)\n"
+        "assert 'tvm.relax' not in sys.modules\n"
+    )
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (expected,) = run_onnxruntime(model, feeds)
+    assert rel_err(np.load(tmp_path / "y.npz")["output"], expected) <= RTOL
+
+
+@needs_onednn
+def test_missing_onednn_at_load_is_one_line(tmp_path):
+    model = random_cnn(4, max_layers=4)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    out = compile_model(path, tmp_path / "art", target="cpu", progress=False)
+    mpath = out / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["tactics"]["libraries"][0]["needs"] = ["libdnnl_absent.so.2"]  # a machine without it
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(ArtifactError) as e:
+        load(out)
+    msg = str(e.value)
+    assert "\n" not in msg and "libdnnl_absent.so.2" in msg and onednn.INSTALL in msg
+
+
+def test_without_onednn_compile_uses_tvm_with_one_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TVM_LAYERFUSE_ONEDNN_ROOT", str(tmp_path / "no-onednn"))
+    assert onednn.availability() is not None
+    model = random_cnn(7, max_layers=5)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    with caplog.at_level(logging.WARNING):
+        out = compile_model(path, tmp_path / "art", target="cpu", progress=False)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0].getMessage() and "libdnnl-dev" in warnings[0].getMessage()
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["tactics"]["used"] == "tvm" and m["tactics"]["libraries"] == []
+    assert set(m["files"]) == {"model.so", "params.npz"}
+    feeds = random_inputs(model, 2)
+    for e, g in zip(run_onnxruntime(model, feeds), load(out).run(feeds).values()):
+        assert rel_err(g, e) <= RTOL
+    with pytest.raises(BuildError) as err:
+        apply_tactics(None, {}, resolve("cpu"), tactics="onednn")
+    assert "\n" not in str(err.value) and "libdnnl-dev" in str(err.value)
+
+
+def test_other_targets_keep_tvm_tactics():
+    mod, plan = apply_tactics("module", {}, resolve("aarch64"), tactics="auto")
+    assert mod == "module" and plan.used == "tvm" and "cross-compiled" in plan.note
+
+
+@pytest.mark.slow
+@needs_onednn
+@pytest.mark.parametrize(
+    "name", ["googlenet", "inception_v3", "resnet50", "squeezenet1_1", "densenet121", "mobilenet_v2", "efficientnet_like"]
+)
+def test_all_zoo_nets_match_onnxruntime(name):
+    err, layers = _run_with_tactic(getattr(zoo, name)(seed=6))
+    assert err <= RTOL and any(c.tactic == "onednn" for c in layers)
+
+
+@pytest.mark.slow
+@needs_onednn
+@pytest.mark.parametrize("seed", range(100, 130))
+def test_many_random_graphs_match_onnxruntime(seed):
+    err, _ = _run_with_tactic(random_cnn(seed))
+    assert err <= RTOL
+
+
+# ---------------------------------------------------------------------- differential fuzzing
+def _differential(case):
+    from tvm_layerfuse.testing.differential import check_case
+
+    res = check_case(case.model, case.feeds, stages=("unfused", "tactics"))
+    assert res.findings == [], "\n".join(f"{f.kind}: {f.detail}" for f in res.findings)
+    assert "tactics" in res.timings  # the tactic stage ran
+
+
+_PROPERTY = dict(deadline=None, derandomize=True, database=None)
+
+
+@needs_onednn
+@settings(max_examples=6, suppress_health_check=list(HealthCheck), **_PROPERTY)
+@given(cnn_graphs(max_layers=6))
+def test_differential_fuzzing_covers_the_tactic_choice(case):
+    _differential(case)
+
+
+@pytest.mark.slow
+@needs_onednn
+@settings(max_examples=120, suppress_health_check=list(HealthCheck), **_PROPERTY)
+@given(cnn_graphs(max_layers=10, max_channels=40))
+def test_differential_fuzzing_covers_the_tactic_choice_widely(case):
+    _differential(case)
+
+
+def test_deploy_refuses_an_artifact_with_a_tactic_library_before_uploading(tmp_path):
+    import shutil
+
+    from tvm_layerfuse.deploy.inputs import check_library
+
+    shutil.copyfile(sys.executable, tmp_path / "model.so")  # any x86_64 ELF
+    manifest = {"library": "model.so", "target": {"machine": "x86_64"}, "tactics": {"libraries": []}}
+    check_library(tmp_path, manifest)
+    manifest["tactics"]["libraries"] = [{"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME]}]
+    with pytest.raises(ArtifactError) as e:
+        check_library(tmp_path, manifest)
+    msg = str(e.value)
+    assert "\n" not in msg and onednn.LIBRARY_FILE in msg and "--tactics tvm" in msg and "nothing was uploaded" in msg

@@ -1,0 +1,61 @@
+"""tune: one MetaSchedule database per target, applied by compile (the long run is slow-marked)."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from graphs import rel_err
+from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.compile.tune import tune_model
+from tvm_layerfuse.compile.tune_database import database_dir, has_database
+from tvm_layerfuse.errors import UsageError
+from tvm_layerfuse.lowering import LayerfusePipeline
+from tvm_layerfuse.runtime import load
+from tvm_layerfuse.testing import random_cnn, random_inputs, run_onnxruntime
+
+
+def test_one_database_per_target(tmp_path, monkeypatch):
+    monkeypatch.setenv("TVM_LAYERFUSE_CACHE", str(tmp_path))
+    a = database_dir({"kind": "llvm", "mcpu": "znver4"})
+    b = database_dir({"kind": "llvm", "mcpu": "x86-64"})
+    assert a != b and a == database_dir({"mcpu": "znver4", "kind": "llvm"})
+    assert a.parent == tmp_path / "tune" and "znver4" in a.name
+    assert not has_database(a)
+
+
+def test_the_pipeline_applies_a_database_after_the_lowering_passes(tmp_path):
+    import tvm
+
+    tgt = tvm.target.Target({"kind": "llvm"})
+    with tgt:
+        names = [p.info.name for p in LayerfusePipeline(tgt, database=str(tmp_path)).passes()]
+        plain = [p.info.name for p in LayerfusePipeline(tgt).passes()]
+    k = names.index("MetaScheduleApplyDatabase")
+    assert names[k - 1] == "InPlaceConcat" and names.index("FuseTIR") < k
+    assert "MetaScheduleApplyDatabase" not in plain
+
+
+@pytest.mark.parametrize("kw, fragment", [({"trials": 0}, "--trials 0"), ({"budget": -1.0}, "--budget -1.0")])
+def test_bad_bounds_are_refused(kw, fragment, tmp_path):
+    with pytest.raises(UsageError) as e:
+        tune_model(tmp_path / "unused.onnx", **kw)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_tune_then_compile_applies_the_database(tmp_path, monkeypatch):
+    monkeypatch.setenv("TVM_LAYERFUSE_CACHE", str(tmp_path / "cache"))
+    model = random_cnn(21, max_layers=4)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    result = tune_model(path, trials=4, tactics="tvm", progress=False)
+    assert result.tasks >= 1 and result.trials >= 1 and has_database(result.database)
+    records = (result.database / "database_tuning_record.json").read_text().splitlines()
+    assert records and all(json.loads(line) for line in records)
+    out = compile_model(path, tmp_path / "art", tactics="tvm", progress=False)
+    feeds = random_inputs(model, 3)
+    for e, g in zip(run_onnxruntime(model, feeds), load(out).run(feeds).values()):
+        assert rel_err(g, e) <= 1e-4
+    np.testing.assert_equal(len(records) > 0, True)

@@ -1,0 +1,132 @@
+"""Tactics: which implementation runs each conv layer of the fused model.
+
+::
+
+    --tactics auto     oneDNN where it is installed and the target is this machine's CPU kind
+                       (x86_64 / aarch64 Linux, built here), TVM's kernels elsewhere; when
+                       oneDNN is missing, one warning line and TVM's kernels
+    --tactics onednn   oneDNN or fail (the reason and the install command)
+    --tactics tvm      TVM's own kernels only
+
+Within ``onednn``, each layer is chosen by the rule in :mod:`.use_onednn` (oneDNN when it
+has an optimised kernel for the layer, else TVM). :func:`apply_tactics` returns the
+rewritten module and a :class:`TacticPlan`: every layer's choice (for the manifest,
+``inspect`` and the report) and the tactic library the artifact must carry.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from ...errors import BuildError, UsageError
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("auto", "onednn", "tvm")
+
+
+@dataclass
+class TacticPlan:
+    """What :func:`apply_tactics` decided."""
+
+    requested: str
+    used: str  # "onednn" | "tvm"
+    layers: list = field(default_factory=list)  # LayerChoice
+    library: Optional[Path] = None  # the extension .so the artifact carries
+    note: str = ""  # why oneDNN is not used, when it is not
+    version: str = ""  # oneDNN version
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(c.tactic for c in self.layers))
+
+    def manifest(self) -> dict[str, Any]:
+        from . import onednn
+
+        libraries = []
+        if self.library is not None:
+            libraries.append({"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL})
+        return {
+            "requested": self.requested,
+            "used": self.used,
+            "note": self.note,
+            "onednn_version": self.version,
+            "counts": self.counts(),
+            "layers": [c.to_dict() for c in self.layers],
+            "libraries": libraries,
+        }
+
+
+def _machine() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def onednn_refusal(spec) -> Optional[str]:
+    """Why the oneDNN tactic cannot serve target ``spec`` (None when it can)."""
+    from . import onednn
+
+    if spec.device != "cpu":
+        return f"oneDNN serves CPU targets; {spec.preset} is {spec.device}"
+    if spec.machine != _machine() or spec.cross_compiler:
+        return f"target {spec.preset} is for {spec.machine} hosts, cross-compiled here; its oneDNN library would have to be built for it"
+    return onednn.availability()
+
+
+def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto"):
+    """(module with the chosen layers calling the tactic library, :class:`TacticPlan`)."""
+    if tactics not in CHOICES:
+        raise UsageError(f"--tactics {tactics!r} is unknown; expected one of {', '.join(CHOICES)}")
+    if tactics == "tvm":
+        return mod, TacticPlan(requested=tactics, used="tvm", note="--tactics tvm")
+    reason = onednn_refusal(spec)
+    if reason is None:
+        from . import onednn
+
+        try:
+            library = onednn.load()
+        except BuildError as e:
+            reason = str(e)
+    if reason is not None:
+        if tactics == "onednn":
+            raise BuildError(f"--tactics onednn: {reason}")
+        if spec.device == "cpu" and spec.machine == _machine() and not spec.cross_compiler:
+            log.warning("oneDNN is not used, TVM kernels run every layer: %s", reason)
+        return mod, TacticPlan(requested=tactics, used="tvm", note=reason)
+    from .use_onednn import UseOneDNNConv
+
+    rewrite = UseOneDNNConv(params=params)
+    mod = rewrite(mod)
+    used = any(c.tactic == "onednn" for c in rewrite.layers)
+    plan = TacticPlan(
+        requested=tactics,
+        used="onednn" if used else "tvm",
+        layers=list(rewrite.layers),
+        library=library if used else None,
+        note="" if used else "no layer suits oneDNN",
+        version=onednn.version(),
+    )
+    return mod, plan
+
+
+def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
+    """The per-layer tactic table of a manifest's ``tactics`` entry, for ``inspect``/reports."""
+    if not info:
+        return "tactics: not recorded"
+    head = f"tactics: {info.get('used')} (requested {info.get('requested')})"
+    if info.get("onednn_version"):
+        head += f", oneDNN {info['onednn_version']}"
+    if info.get("note"):
+        head += f"; {info['note']}"
+    lines = [head]
+    counts = info.get("counts") or {}
+    if counts:
+        lines.append("  " + ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))
+    for c in info.get("layers") or []:
+        detail = c.get("kernel") or c.get("reason") or ""
+        lines.append(f"  {c.get('layer', '?'):<40} {c.get('tactic', '?'):<7} {c.get('shape', ''):<32} {detail}")
+    return "\n".join(lines)

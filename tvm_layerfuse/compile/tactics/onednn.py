@@ -1,0 +1,136 @@
+"""The oneDNN tactic library: find oneDNN, build the extension (``onednn_conv.cc``), load it.
+
+::
+
+    availability()            None when oneDNN can be used here, else the reason (one line)
+    build_extension()         the extension .so, built once per source/oneDNN version
+                              (tvm_ffi.cpp.build: tvm-ffi headers + oneDNN, -ldnnl)
+    load()                    build + dlopen: registers layerfuse.onednn.* as global functions
+    implementation(...)       the oneDNN kernel a conv layer gets on this machine
+
+oneDNN comes from Debian's ``libdnnl-dev`` (oneDNN 2.x C++ API, ``/usr/include/oneapi/dnnl``)
+or any prefix named by ``TVM_LAYERFUSE_ONEDNN_ROOT`` (``include/`` and ``lib/`` beneath it).
+The runtime needs only the shared library ``libdnnl.so.2`` (Debian ``libdnnl2``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ...errors import BuildError
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("onednn_conv.cc")
+SONAME = "libdnnl.so.2"
+INSTALL = "apt-get install -y libdnnl2"
+INSTALL_DEV = "apt-get install -y libdnnl-dev"
+LIBRARY_FILE = "tactics_onednn.so"  # its name inside an artifact
+FUNCTIONS = {"conv2d": "layerfuse.onednn.conv2d", "conv2d_add": "layerfuse.onednn.conv2d_add"}
+TO_BLOCKED = "layerfuse.onednn.to_blocked"
+CONCAT = "layerfuse.onednn.concat"
+
+
+def root() -> Path:
+    return Path(os.environ.get("TVM_LAYERFUSE_ONEDNN_ROOT", "/usr"))
+
+
+def _lib_dirs(prefix: Path) -> list[Path]:
+    candidates = (prefix / "lib" / "x86_64-linux-gnu", prefix / "lib" / "aarch64-linux-gnu", prefix / "lib", prefix / "lib64")
+    return [d for d in candidates if d.is_dir()]
+
+
+def availability() -> Optional[str]:
+    """Why oneDNN cannot be used on this machine (one line), or None when it can."""
+    prefix = root()
+    header = prefix / "include" / "oneapi" / "dnnl" / "dnnl.hpp"
+    if not header.is_file():
+        return f"oneDNN headers not found ({header}); install them with `{INSTALL_DEV}`"
+    if not any((d / "libdnnl.so").exists() for d in _lib_dirs(prefix)):
+        return f"oneDNN library libdnnl.so not found under {prefix}/lib; install it with `{INSTALL_DEV}`"
+    version = _header_version(header.parent / "dnnl_version.h")
+    if version is not None and version[0] != 2:
+        return f"oneDNN {'.'.join(map(str, version))} found; the tactic library is written for the 2.x API (Debian libdnnl-dev)"
+    return None
+
+
+def _header_version(path: Path) -> Optional[tuple[int, int, int]]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    found = {}
+    for key in ("MAJOR", "MINOR", "PATCH"):
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "#define" and parts[1] == f"DNNL_VERSION_{key}":
+                found[key] = int(parts[2])
+    return (found["MAJOR"], found["MINOR"], found["PATCH"]) if len(found) == 3 else None
+
+
+def build_extension() -> Path:
+    """Build (or reuse) the extension library; raises BuildError with the reason."""
+    reason = availability()
+    if reason is not None:
+        raise BuildError(reason)
+    import tvm_ffi
+    import tvm_ffi.cpp
+
+    prefix = root()
+    digest = hashlib.sha256(SOURCE.read_bytes() + str(prefix).encode() + tvm_ffi.__version__.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("TVM_LAYERFUSE_CACHE", Path.home() / ".cache" / "tvm_layerfuse")) / f"onednn-{digest}"
+    out = cache / "layerfuse_onednn.so"
+    if out.is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    libdirs = _lib_dirs(prefix)
+    try:
+        path = tvm_ffi.cpp.build(
+            "layerfuse_onednn",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O2", "-DNDEBUG"],
+            extra_ldflags=[*(f"-L{d}" for d in libdirs), "-ldnnl"],
+            extra_include_paths=[str(prefix / "include")],
+            build_directory=str(cache),
+        )
+    except Exception as e:  # the compiler's complaint, first line
+        detail = next((line.strip() for line in str(e).splitlines() if "error" in line.lower()), str(e).strip()[:200])
+        raise BuildError(f"the oneDNN tactic library did not build: {detail[:300]}") from None
+    return Path(path)
+
+
+@lru_cache(maxsize=1)
+def load() -> Path:
+    """Build the extension and load it into this process (registers its global functions)."""
+    from ...runtime.tactics import load_library
+
+    path = build_extension()
+    try:
+        load_library(path, needs=[SONAME], install=INSTALL)
+    except Exception as e:
+        raise BuildError(str(e)) from None
+    return path
+
+
+def version() -> str:
+    import tvm_ffi
+
+    load()
+    return str(tvm_ffi.get_global_func("layerfuse.onednn.version")())
+
+
+def implementation(
+    x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool, alpha: float, beta: float
+) -> str:
+    """The oneDNN kernel (``impl_info_str``) this conv layer gets on this machine."""
+    import tvm_ffi
+
+    load()
+    f = tvm_ffi.get_global_func("layerfuse.onednn.implementation")
+    shapes = [tvm_ffi.Shape(list(v)) for v in (x_shape, w_shape, attrs)]
+    return str(f(*shapes, bool(residual), float(alpha), float(beta)))

@@ -1,0 +1,344 @@
+// The oneDNN conv tactic: fused conv layers of a tvm_layerfuse model run as oneDNN primitives.
+//
+// Each function below is called by the compiled model through R.call_dps_packed (destination
+// passing: the output tensor is the last argument) and registered as a global function when
+// this library is loaded (static initialiser), so a runtime-only process only has to dlopen it.
+//
+//   layerfuse.onednn.conv2d      (x, w, b,    attrs, alpha, beta, out)
+//       out = act(conv2d(x, w) + b)
+//   layerfuse.onednn.conv2d_add  (x, w, b, r, attrs, alpha, beta, out)
+//       out = act(conv2d(x, w) + b + r)      r: the residual, as oneDNN's `sum` post-op
+//
+//   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
+//   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
+//            dilation_w, groups, act, src_blocked, dst_blocked); act: 0 none, 1 relu (alpha:
+//   negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu (x * sigmoid(x)), 4 sigmoid.
+//   The BatchNorm of the layer is already folded into w and b (at compile time).
+//
+// Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
+// layers of this library, and C % 16 == 0 - oneDNN's blocked nChw16c (same size, same
+// [N, C, H, W] type for TVM, which never reads it): src_blocked / dst_blocked say which.
+// A plain src or dst is reordered to/from the layout the primitive prefers (blocked, where
+// oneDNN's JIT kernels run with their post-ops fused) in buffers kept with the layer; a
+// blocked one is used in place, so consecutive convs run with no reorder between them.
+//
+// A primitive is created once per (shapes, attributes, weight tensor) and kept; its weights
+// are reordered once into the layout the primitive prefers (blocked, e.g. OIhw16i16o) when
+// the layer first runs, never per inference. A fingerprint of the weight tensor (a few
+// sampled values) is compared on every call, so new weights at the same address are
+// reordered again instead of being used stale.
+//
+//   layerfuse.onednn.to_blocked  (x, out)        out = x in nChw16c (see Layouts)
+//   layerfuse.onednn.concat      (x_1, ..., x_k, out)   channel concat of plain NCHW tensors
+//
+//   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
+//       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
+//       "jit:avx512_core" or "jit_1x1:avx512_core"; the compiler refuses "ref:" kernels.
+
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/string.h>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace layerfuse_onednn {
+
+using tvm::ffi::Shape;
+using tvm::ffi::String;
+using tvm::ffi::TensorView;
+using dims = dnnl::memory::dims;
+using tag = dnnl::memory::format_tag;
+using dt = dnnl::memory::data_type;
+
+constexpr int kFingerprint = 16;  // sampled weight values compared per call
+
+struct Attrs {
+  int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_blocked, dst_blocked;
+  static Attrs From(const Shape& a) {
+    if (a.size() != 12) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 12 entries, got " << a.size();
+    return Attrs{{a[0], a[1]}, {a[2], a[3]}, {a[4], a[5]}, {a[6], a[7]}, a[8], a[9], a[10], a[11]};
+  }
+};
+
+// The engine and the layers live until the process ends and are never destroyed: static
+// destructors at exit would otherwise free primitives after the engine (or oneDNN) is gone.
+dnnl::engine& Engine() {
+  static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  return *engine;
+}
+
+dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
+
+dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w, const Attrs& at, bool residual,
+                                                   double alpha, double beta) {
+  const int64_t N = x[0], C = x[1], H = x[2], W = x[3];
+  const int64_t O = w[0], kh = w[2], kw = w[3], G = at.groups;
+  auto out_size = [&](int64_t in, int64_t k, int i) {
+    return (in + at.pad_l[i] + at.pad_r[i] - ((k - 1) * at.dilation[i] + 1)) / at.stride[i] + 1;
+  };
+  const int64_t OH = out_size(H, kh, 0), OW = out_size(W, kw, 1);
+  if (C != w[1] * G || O % G != 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv shapes do not agree";
+  dnnl::memory::desc src({N, C, H, W}, dt::f32, at.src_blocked ? tag::nChw16c : tag::any);
+  dnnl::memory::desc dst({N, O, OH, OW}, dt::f32, at.dst_blocked ? tag::nChw16c : tag::any);
+  dnnl::memory::desc bias({O}, dt::f32, tag::x);
+  dims wdims = G == 1 ? dims{O, C, kh, kw} : dims{G, O / G, C / G, kh, kw};
+  dnnl::memory::desc wei(wdims, dt::f32, tag::any);
+  dnnl::convolution_forward::desc d(dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, src, wei,
+                                    bias, dst, {at.stride[0], at.stride[1]},
+                                    {at.dilation[0] - 1, at.dilation[1] - 1}, {at.pad_l[0], at.pad_l[1]},
+                                    {at.pad_r[0], at.pad_r[1]});
+  dnnl::post_ops ops;
+  if (residual) ops.append_sum(1.f);
+  switch (at.act) {
+    case 0: break;
+    case 1: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, static_cast<float>(alpha), 0.f); break;
+    case 2:
+      ops.append_eltwise(1.f, dnnl::algorithm::eltwise_clip, static_cast<float>(alpha), static_cast<float>(beta));
+      break;
+    case 3: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_swish, 1.f, 0.f); break;
+    case 4: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_logistic, 0.f, 0.f); break;
+    default: TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << at.act;
+  }
+  dnnl::primitive_attr attr;
+  attr.set_post_ops(ops);
+  return dnnl::convolution_forward::primitive_desc(d, attr, Engine());
+}
+
+struct Layer {
+  dnnl::convolution_forward::primitive_desc pd;
+  dnnl::convolution_forward prim;
+  dnnl::memory weights;  // in pd.weights_desc(), owned
+  std::vector<float> fingerprint;
+  // plain NCHW <-> the primitive's layout, for a src/dst that is plain in the graph
+  dnnl::memory::desc src_plain, dst_plain;
+  bool src_reorder = false, dst_reorder = false;
+  dnnl::memory src_buf, dst_buf;  // owned, in pd.src_desc() / pd.dst_desc()
+  dnnl::reorder src_in, dst_in, dst_out;
+};
+
+std::vector<float> Fingerprint(const float* w, int64_t n) {
+  std::vector<float> f;
+  for (int k = 0; k < kFingerprint && n > 0; ++k) f.push_back(w[(n - 1) * k / (kFingerprint - 1)]);
+  return f;
+}
+
+const float* Data(const TensorView& t) {
+  return reinterpret_cast<const float*>(static_cast<const char*>(t.data_ptr()) + t.byte_offset());
+}
+
+void CheckTensor(const TensorView& t, int ndim, const char* what) {
+  if (t.dtype().code != kDLFloat || t.dtype().bits != 32 || t.dtype().lanes != 1)
+    TVM_FFI_THROW(TypeError) << "layerfuse.onednn: " << what << " must be float32";
+  if (t.ndim() != ndim) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: " << what << " must be " << ndim << "-d";
+  if (t.device().device_type != kDLCPU) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: " << what << " is not on the CPU";
+  if (!t.IsContiguous()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: " << what << " must be contiguous";
+}
+
+std::mutex& Mutex() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+
+std::unordered_map<std::string, std::unique_ptr<Layer>>& Layers() {
+  static auto* layers = new std::unordered_map<std::string, std::unique_ptr<Layer>>();
+  return *layers;
+}
+
+Layer& Get(const TensorView& x, const TensorView& w, const Attrs& at, const Shape& attrs, bool residual, double alpha,
+           double beta) {
+  std::ostringstream key;
+  key << (residual ? "sum:" : "") << w.data_ptr() << '+' << w.byte_offset();
+  for (int i = 0; i < 4; ++i) key << ':' << x.shape()[i] << ',' << w.shape()[i];
+  for (int64_t v : attrs) key << ';' << v;
+  key << '|' << alpha << '|' << beta;
+  const float* wdata = Data(w);
+  const int64_t wn = w.numel();
+  auto& layers = Layers();
+  auto it = layers.find(key.str());
+  if (it != layers.end() && it->second->fingerprint == Fingerprint(wdata, wn)) return *it->second;
+  auto layer = std::make_unique<Layer>();
+  layer->pd = MakeDesc(Dims(x.shape().data(), 4), Dims(w.shape().data(), 4), at, residual, alpha, beta);
+  layer->prim = dnnl::convolution_forward(layer->pd);
+  // the weights, once, into the layout the primitive prefers
+  dims plain = at.groups == 1 ? Dims(w.shape().data(), 4)
+                              : dims{at.groups, w.shape()[0] / at.groups, w.shape()[1], w.shape()[2], w.shape()[3]};
+  dnnl::memory::desc user(plain, dt::f32, at.groups == 1 ? tag::oihw : tag::goihw);
+  dnnl::memory src(user, Engine(), const_cast<float*>(wdata));
+  layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
+  dnnl::stream s(Engine());
+  dnnl::reorder(src, layer->weights).execute(s, src, layer->weights);
+  s.wait();
+  layer->fingerprint = Fingerprint(wdata, wn);
+  // plain activations: reorders into and out of the primitive's layout, buffers kept
+  const dnnl::memory::desc src_md = layer->pd.src_desc(), dst_md = layer->pd.dst_desc();
+  layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
+  layer->dst_plain = dnnl::memory::desc(dst_md.dims(), dt::f32, tag::nchw);
+  layer->src_reorder = !at.src_blocked && src_md != layer->src_plain;
+  layer->dst_reorder = !at.dst_blocked && dst_md != layer->dst_plain;
+  if (layer->src_reorder) {
+    layer->src_buf = dnnl::memory(src_md, Engine());
+    layer->src_in = dnnl::reorder(dnnl::memory(layer->src_plain, Engine(), nullptr), layer->src_buf);
+  }
+  if (layer->dst_reorder) {
+    layer->dst_buf = dnnl::memory(dst_md, Engine());
+    layer->dst_in = dnnl::reorder(dnnl::memory(layer->dst_plain, Engine(), nullptr), layer->dst_buf);
+    layer->dst_out = dnnl::reorder(layer->dst_buf, dnnl::memory(layer->dst_plain, Engine(), nullptr));
+  }
+  Layer& ref = *layer;
+  layers[key.str()] = std::move(layer);
+  return ref;
+}
+
+void Run(TensorView x, TensorView w, TensorView b, const TensorView* r, Shape attrs, double alpha, double beta,
+         TensorView out) {
+  CheckTensor(x, 4, "input");
+  CheckTensor(w, 4, "weight");
+  CheckTensor(b, 1, "bias");
+  CheckTensor(out, 4, "output");
+  if (r) CheckTensor(*r, 4, "residual");
+  Attrs at = Attrs::From(attrs);
+  try {
+    std::lock_guard<std::mutex> lock(Mutex());
+    Layer& layer = Get(x, w, at, attrs, r != nullptr, alpha, beta);
+    for (int i = 0; i < 4; ++i) {
+      if (out.shape()[i] != layer.pd.dst_desc().dims()[i] || (r && r->shape()[i] != out.shape()[i]))
+        TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
+    }
+    if (b.shape()[0] != out.shape()[1]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
+    float* dst_ptr = const_cast<float*>(Data(out));
+    dnnl::stream s(Engine());
+    dnnl::memory src, dst;
+    if (layer.src_reorder) {
+      dnnl::memory user(layer.src_plain, Engine(), const_cast<float*>(Data(x)));
+      layer.src_in.execute(s, user, layer.src_buf);
+      src = layer.src_buf;
+    } else {
+      src = dnnl::memory(layer.pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
+    }
+    if (layer.dst_reorder) {
+      dst = layer.dst_buf;
+      if (r) {  // the residual, in the primitive's layout, for the sum post-op
+        dnnl::memory user(layer.dst_plain, Engine(), const_cast<float*>(Data(*r)));
+        layer.dst_in.execute(s, user, dst);
+      }
+    } else {
+      dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
+      if (r && Data(*r) != dst_ptr) std::memcpy(dst_ptr, Data(*r), sizeof(float) * out.numel());
+    }
+    dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(Data(b)));
+    layer.prim.execute(s, {{DNNL_ARG_SRC, src},
+                           {DNNL_ARG_WEIGHTS, layer.weights},
+                           {DNNL_ARG_BIAS, bias},
+                           {DNNL_ARG_DST, dst}});
+    if (layer.dst_reorder) {
+      dnnl::memory user(layer.dst_plain, Engine(), dst_ptr);
+      layer.dst_out.execute(s, dst, user);
+    }
+    s.wait();
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+void Conv2d(TensorView x, TensorView w, TensorView b, Shape attrs, double alpha, double beta, TensorView out) {
+  Run(x, w, b, nullptr, attrs, alpha, beta, out);
+}
+
+void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape attrs, double alpha, double beta,
+               TensorView out) {
+  Run(x, w, b, &r, attrs, alpha, beta, out);
+}
+
+// out (nChw16c bytes, [N, C, H, W] type) = x (NCHW): one reorder for a plain tensor that
+// several oneDNN layers read, instead of one inside each of them.
+void ToBlocked(TensorView x, TensorView out) {
+  CheckTensor(x, 4, "input");
+  CheckTensor(out, 4, "output");
+  if (x.shape()[1] % 16 != 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.to_blocked: channels % 16 != 0";
+  try {
+    std::lock_guard<std::mutex> lock(Mutex());
+    static auto* reorders = new std::unordered_map<std::string, dnnl::reorder>();
+    dims d = Dims(x.shape().data(), 4);
+    dnnl::memory::desc plain(d, dt::f32, tag::nchw), blocked(d, dt::f32, tag::nChw16c);
+    std::ostringstream key;
+    for (auto v : d) key << v << ',';
+    auto it = reorders->find(key.str());
+    if (it == reorders->end()) {
+      it = reorders->emplace(key.str(), dnnl::reorder(dnnl::memory(plain, Engine(), nullptr),
+                                                      dnnl::memory(blocked, Engine(), nullptr))).first;
+    }
+    dnnl::stream s(Engine());
+    dnnl::memory src(plain, Engine(), const_cast<float*>(Data(x)));
+    dnnl::memory dst(blocked, Engine(), const_cast<float*>(Data(out)));
+    it->second.execute(s, src, dst);
+    s.wait();
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+// out = concat(x_1, ..., x_k) on the channel axis (NCHW, plain): one memcpy per piece and
+// image - the concatenation of layers whose producers are library calls (TVM's in-place
+// concat only moves TVM kernels' outputs).
+void ConcatChannels(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
+  const int k = args.size() - 1;
+  if (k < 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat: no input";
+  TensorView out = args[k].cast<TensorView>();
+  CheckTensor(out, 4, "output");
+  const int64_t N = out.shape()[0], C = out.shape()[1], HW = out.shape()[2] * out.shape()[3];
+  char* dst = reinterpret_cast<char*>(const_cast<float*>(Data(out)));
+  int64_t offset = 0;  // channels written so far
+  for (int i = 0; i < k; ++i) {
+    TensorView x = args[i].cast<TensorView>();
+    CheckTensor(x, 4, "input");
+    const int64_t Ci = x.shape()[1];
+    if (x.shape()[0] != N || x.shape()[2] * x.shape()[3] != HW || offset + Ci > C)
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat: input " << i << " does not fit the output";
+    const char* src = reinterpret_cast<const char*>(Data(x));
+    for (int64_t n = 0; n < N; ++n)
+      std::memcpy(dst + sizeof(float) * (n * C + offset) * HW, src + sizeof(float) * n * Ci * HW, sizeof(float) * Ci * HW);
+    offset += Ci;
+  }
+  if (offset != C) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat: inputs give " << offset << " channels, not " << C;
+}
+
+String Implementation(Shape x, Shape w, Shape attrs, bool residual, double alpha, double beta) {
+  if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
+  try {
+    auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), Attrs::From(attrs), residual, alpha, beta);
+    return String(pd.impl_info_str());
+  } catch (const dnnl::error& e) {
+    return String(std::string("unsupported: ") + e.what());
+  }
+}
+
+String Version() {
+  const dnnl_version_t* v = dnnl_version();
+  std::ostringstream os;
+  os << v->major << '.' << v->minor << '.' << v->patch;
+  return String(os.str());
+}
+
+}  // namespace layerfuse_onednn
+
+// Registered with override: a process may load this library from several artifacts (or the
+// compiler's build cache and an artifact); the last one loaded serves the calls.
+TVM_FFI_STATIC_INIT_BLOCK() {
+  using tvm::ffi::Function;
+  Function::SetGlobal("layerfuse.onednn.conv2d", Function::FromTyped(layerfuse_onednn::Conv2d), true);
+  Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);
+  Function::SetGlobal("layerfuse.onednn.concat", Function::FromPacked(layerfuse_onednn::ConcatChannels), true);
+  Function::SetGlobal("layerfuse.onednn.to_blocked", Function::FromTyped(layerfuse_onednn::ToBlocked), true);
+  Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);
+  Function::SetGlobal("layerfuse.onednn.version", Function::FromTyped(layerfuse_onednn::Version), true);
+}

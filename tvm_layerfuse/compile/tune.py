@@ -1,0 +1,142 @@
+"""tune: MetaSchedule for the kernels that stay with TVM, one database per target.
+
+::
+
+    tune MODEL [--target cpu] [--trials N] [--budget SECONDS] [--tactics auto|onednn|tvm]
+               [--rpc HOST:PORT --key KEY | --tracker HOST:PORT --key KEY]
+
+1. the model is imported, fused and given its tactics exactly as ``compile`` does, so the
+   kernels tuned are the ones ``compile`` will build (layers run by oneDNN are not tasks);
+2. TVM's pipeline runs up to ``FuseTIR`` and the layerfuse lowering passes (in-place
+   concat, split outputs): each distinct PrimFunc left is a task;
+3. ``meta_schedule.tune_tasks`` searches schedules (evolutionary search, XGBoost cost model),
+   measured here or - ``--rpc``/``--tracker`` - on the board through TVM's RPC runner (a
+   tracker spreads the measurements over its boards); a tqdm bar shows trials, the best
+   latency of the last task measured, and the time left;
+4. the records go into the JSON database of the target (:func:`database_dir`), appended to
+   what earlier runs found: a run can be stopped and resumed, and ``compile`` for the same
+   target applies the database (``MetaScheduleApplyDatabase`` after the lowering passes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from ..errors import UsageError
+from .tune_database import database_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TuneResult:
+    database: Path
+    tasks: int
+    trials: int
+    seconds: float
+
+
+def _progress_callback(bar, budget: Optional[float], start: float):
+    import tvm.s_tir.meta_schedule as ms
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class _Progress(ms.measure_callback.PyMeasureCallback):
+        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
+            best = None
+            for r in runner_results:
+                if r.error_msg is None and r.run_secs:
+                    t = sum(float(x) for x in r.run_secs) / len(r.run_secs)
+                    best = t if best is None else min(best, t)
+            bar.update(len(runner_results))
+            if best is not None:
+                bar.set_postfix_str(f"task {task_id}: best {best * 1e3:.3f} ms")
+            if budget is not None and time.monotonic() - start > budget:
+                for k in range(len(task_scheduler.tasks_)):
+                    task_scheduler.terminate_task(k)
+
+    return _Progress()
+
+
+def tune_model(
+    model: Any,
+    *,
+    target: str = "cpu",
+    arch: Optional[str] = None,
+    trials: int = 256,
+    budget: Optional[float] = None,
+    tactics: str = "auto",
+    input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+    rpc: Optional[str] = None,
+    tracker: Optional[str] = None,
+    key: Optional[str] = None,
+    progress: bool = True,
+) -> TuneResult:
+    """Tune the TVM kernels of ``model`` for ``target``; returns where the records went."""
+    import tvm
+    import tvm.s_tir.meta_schedule as ms
+    from tqdm import tqdm
+
+    from ..lowering import LayerfusePipeline
+    from ..planner import plan as make_plan
+    from .build import lift_weights, relax_module, safe_param_names
+    from .presets import resolve
+    from .tactics import apply_tactics
+
+    if trials < 1:
+        raise UsageError(f"--trials {trials}: expected a positive number of measurements")
+    if budget is not None and budget <= 0:
+        raise UsageError(f"--budget {budget}: expected a positive number of seconds")
+    spec = resolve(target, arch=arch)
+    tgt = spec.tvm_target()
+    if tgt.kind.name == "llvm" and "num-cores" not in spec.target:  # MetaSchedule needs the core count
+        import psutil
+
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        with_cores = {**spec.target, "num-cores": cores}
+        tgt = tvm.target.Target(with_cores, host=spec.host) if spec.host else tvm.target.Target(with_cores)
+    p = make_plan(model, input_shapes=input_shapes)
+    mod, params, _ = relax_module(model, plan=p, fuse=True, input_shapes=input_shapes)
+    mod, _ = apply_tactics(mod, params, spec, tactics=tactics)
+    mod, _ = lift_weights(mod, params)
+    mod = safe_param_names(mod)
+    with tgt:
+        lowered = tvm.transform.Sequential(LayerfusePipeline(tgt, stop_after="InPlaceConcat").passes())(mod)
+    tasks = ms.relax_integration.extract_tasks(lowered, tgt)
+    if not tasks:
+        raise UsageError("the model has no kernel left for TVM to tune (every layer runs on a tactic library)")
+    work_dir = database_dir(spec.target, spec.host)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    # generous timeouts: a loaded 2-core build machine needs tens of seconds per popen worker
+    builder = ms.builder.LocalBuilder(timeout_sec=180)
+    runner: Any = ms.runner.LocalRunner(timeout_sec=60)
+    if rpc or tracker:
+        if not key:
+            raise UsageError("--rpc/--tracker need --key KEY, the device key the boards registered with")
+        host, _, port = (tracker or rpc).rpartition(":")
+        if not host or not port.isdigit():
+            raise UsageError(f"--{'tracker' if tracker else 'rpc'} {tracker or rpc!r}: expected HOST:PORT")
+        config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=60)
+        runner = ms.runner.RPCRunner(rpc_config=config)
+    contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
+    start = time.monotonic()
+    with tqdm(total=trials, disable=not progress, unit="trial", desc=f"tune {len(tasks)} tasks") as bar:
+        ms.tune_tasks(
+            tasks=contexts,
+            task_weights=weights,
+            work_dir=str(work_dir),
+            max_trials_global=trials,
+            num_trials_per_iter=min(64, trials),
+            builder=builder,
+            runner=runner,
+            measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(bar, budget, start)],
+        )
+        done = bar.n
+    seconds = time.monotonic() - start
+    log.info("tuned %d tasks, %d trials in %.0f s; database %s", len(tasks), done, seconds, work_dir)
+    return TuneResult(database=work_dir, tasks=len(tasks), trials=done, seconds=seconds)
