@@ -32,6 +32,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..vta.host import conv2d
+
 Shape = tuple[int, ...]
 
 BN_MODES = ("separate", "folded")
@@ -111,8 +113,9 @@ CALIBRATION_SAMPLES = 16  # calibration images per declared batch element
 
 
 def _np_conv(x, w, b, *, strides, dilations, group, pads=(0, 0, 0, 0), auto_pad="NOTSET", **_):
-    n, c, h, wd = x.shape
-    o, cg, kh, kw = w.shape  # [C_out, C_in/g, kh, kw]
+    """:func:`tvm_layerfuse.vta.host.conv2d` with ONNX's ``auto_pad`` resolved to explicit pads."""
+    h, wd = x.shape[2:]
+    kh, kw = w.shape[2:]  # [C_out, C_in/g, kh, kw]
     sh, sw = strides
     dh, dw = dilations
     eh, ew = (kh - 1) * dh + 1, (kw - 1) * dw + 1
@@ -127,15 +130,7 @@ def _np_conv(x, w, b, *, strides, dilations, group, pads=(0, 0, 0, 0), auto_pad=
         pt = pb = pl = pr = 0
     else:
         pt, pl, pb, pr = pads
-    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
-    win = np.lib.stride_tricks.sliding_window_view(xp, (eh, ew), axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
-    oh, ow = win.shape[2], win.shape[3]
-    win = win.reshape(n, group, c // group, oh, ow, kh, kw)
-    wg = w.reshape(group, o // group, cg, kh, kw)
-    y = np.einsum("ngchwij,gocij->ngohw", win, wg, optimize=True).reshape(n, o, oh, ow)
-    if b is not None:
-        y = y + b.reshape(1, -1, 1, 1)
-    return y.astype(np.float32)
+    return conv2d(x, w, b, strides=strides, dilations=dilations, group=group, pads=(pt, pl, pb, pr)).astype(np.float32)
 
 
 def _np_pool(x, *, op, kernel_shape, strides, pads, ceil_mode=0, count_include_pad=0, **_):
