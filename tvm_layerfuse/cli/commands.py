@@ -67,7 +67,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..report import plan_text
 
     model = _model_arg(args.model)
-    if model.is_dir():  # an artifact: its target and the tactic of every conv layer
+    if (model / "manifest.json").is_file():  # an artifact: its target and the tactic of every conv layer
         return _inspect_artifact(model, args)
     result = plan(model, input_shapes=parse_input_shapes(args.input_shape))
     if args.dot:
