@@ -278,6 +278,16 @@ def inception_v3(
 
 
 # ---------------------------------------------------------------------- ResNet-50
+def _resnet_stem(b: NetBuilder, x: str, width: float) -> str:
+    """torchvision's ResNet stem: conv1 7x7/2 -> bn1 -> relu -> maxpool 3/2 pad 1."""
+    with b.scope():
+        x = b.conv_bn(x, _ch(64, width), 7, stride=2, pad=3, conv_scope="conv1", bn_scope="bn1")
+        with b.scope("relu"):
+            x = b.relu(x)
+        with b.scope("maxpool"):
+            return b.maxpool(x, 3, 2, 1)
+
+
 def resnet50(
     *,
     batch: int = 1,
@@ -300,12 +310,7 @@ def resnet50(
     if len(layers) != 4 or any(int(n) < 1 for n in layers):
         raise ValueError(f"layers={tuple(layers)}; expected four positive block counts, e.g. (3, 4, 6, 3)")
     b, x = _start("resnet50", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks)
-    with b.scope():
-        x = b.conv_bn(x, _ch(64, width), 7, stride=2, pad=3, conv_scope="conv1", bn_scope="bn1")
-        with b.scope("relu"):
-            x = b.relu(x)
-        with b.scope("maxpool"):
-            x = b.maxpool(x, 3, 2, 1)
+    x = _resnet_stem(b, x, width)
     for stage, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
         planes = _ch(planes, width)
         for i in range(int(n)):
@@ -350,12 +355,7 @@ def resnet18(
     if len(layers) != 4 or any(int(n) < 1 for n in layers):
         raise ValueError(f"layers={tuple(layers)}; expected four positive block counts, e.g. (2, 2, 2, 2)")
     b, x = _start("resnet18", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks)
-    with b.scope():
-        x = b.conv_bn(x, _ch(64, width), 7, stride=2, pad=3, conv_scope="conv1", bn_scope="bn1")
-        with b.scope("relu"):
-            x = b.relu(x)
-        with b.scope("maxpool"):
-            x = b.maxpool(x, 3, 2, 1)
+    x = _resnet_stem(b, x, width)
     inplanes = _ch(64, width)
     for stage, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
         planes = _ch(planes, width)
