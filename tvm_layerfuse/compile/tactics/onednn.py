@@ -7,6 +7,8 @@
                               (tvm_ffi.cpp.build: tvm-ffi headers + oneDNN, -ldnnl)
     load()                    build + dlopen: registers layerfuse.onednn.* as global functions
     implementation(...)       the oneDNN kernel a conv layer gets on this machine
+    pool_implementation(...)  the same for a pooling layer
+    float_bits(v)             a float32's bits as an integer (how attrs carry alpha and beta)
 
 oneDNN comes from Debian's ``libdnnl-dev`` (oneDNN 2.x C++ API, ``/usr/include/oneapi/dnnl``)
 or any prefix named by ``TVM_LAYERFUSE_ONEDNN_ROOT`` (``include/`` and ``lib/`` beneath it).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import struct
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,6 +37,8 @@ LIBRARY_FILE = "tactics_onednn.so"  # its name inside an artifact
 FUNCTIONS = {"conv2d": "layerfuse.onednn.conv2d", "conv2d_add": "layerfuse.onednn.conv2d_add"}
 TO_BLOCKED = "layerfuse.onednn.to_blocked"
 CONCAT = "layerfuse.onednn.concat"
+POOL = "layerfuse.onednn.pool2d"
+POOL_ALGORITHMS = {"max": 0, "avg_include_pad": 1, "avg": 2}
 
 
 def root() -> Path:
@@ -124,13 +129,25 @@ def version() -> str:
     return str(tvm_ffi.get_global_func("layerfuse.onednn.version")())
 
 
-def implementation(
-    x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool, alpha: float, beta: float
-) -> str:
+def float_bits(value: float) -> int:
+    """The bits of float32 ``value`` as a non-negative integer (a shape entry of ``attrs``)."""
+    return int(struct.unpack("<I", struct.pack("<f", float(value)))[0])
+
+
+def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool) -> str:
     """The oneDNN kernel (``impl_info_str``) this conv layer gets on this machine."""
     import tvm_ffi
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.implementation")
-    shapes = [tvm_ffi.Shape(list(v)) for v in (x_shape, w_shape, attrs)]
-    return str(f(*shapes, bool(residual), float(alpha), float(beta)))
+    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs)]
+    return str(f(*shapes, bool(residual)))
+
+
+def pool_implementation(x_shape: Sequence[int], out_shape: Sequence[int], attrs: Sequence[int]) -> str:
+    """The oneDNN kernel this pooling layer (``attrs`` as ``layerfuse.onednn.pool2d`` takes them) gets."""
+    import tvm_ffi
+
+    load()
+    f = tvm_ffi.get_global_func("layerfuse.onednn.pool_implementation")
+    return str(f(*[tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, out_shape, attrs)]))

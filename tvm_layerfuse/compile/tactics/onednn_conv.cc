@@ -4,16 +4,19 @@
 // passing: the output tensor is the last argument) and registered as a global function when
 // this library is loaded (static initialiser), so a runtime-only process only has to dlopen it.
 //
-//   layerfuse.onednn.conv2d      (x, w, b,    attrs, alpha, beta, out)
-//       out = act(conv2d(x, w) + b)
-//   layerfuse.onednn.conv2d_add  (x, w, b, r, attrs, alpha, beta, out)
+//   layerfuse.onednn.conv2d      (x, w, b,    attrs, out_1, ..., out_k)
+//       concat(out_1, ..., out_k) = act(conv2d(x, w) + b)      (k >= 1: a horizontally merged
+//       conv writes its split pieces; piece j is one conv with the rows o_j..o_j+O_j of w, b)
+//   layerfuse.onednn.conv2d_add  (x, w, b, r, attrs, out)
 //       out = act(conv2d(x, w) + b + r)      r: the residual, as oneDNN's `sum` post-op
 //
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
 //   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
-//            dilation_w, groups, act, src_blocked, dst_blocked); act: 0 none, 1 relu (alpha:
-//   negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu (x * sigmoid(x)), 4 sigmoid.
-//   The BatchNorm of the layer is already folded into w and b (at compile time).
+//            dilation_w, groups, act, src_blocked, dst_blocked, alpha, beta); act: 0 none,
+//   1 relu (alpha: negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu
+//   (x * sigmoid(x)), 4 sigmoid; alpha and beta are the bits of a float32 (an integer shape
+//   entry costs the VM nothing, a float argument a kernel launch each); dst_blocked is a bit
+//   mask, bit j for out_j. The BatchNorm of the layer is already folded into w and b.
 //
 // Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
 // layers of this library, and C % 16 == 0 - oneDNN's blocked nChw16c (same size, same
@@ -29,11 +32,19 @@
 // reordered again instead of being used stale.
 //
 //   layerfuse.onednn.to_blocked  (x, out)        out = x in nChw16c (see Layouts)
-//   layerfuse.onednn.concat      (x_1, ..., x_k, out)   channel concat of plain NCHW tensors
+//   layerfuse.onednn.concat      (x_1, ..., x_k, out)   channel concat: per image, piece i is
+//       the contiguous range [c_i * H * W, (c_i + C_i) * H * W) of out - in NCHW, and in
+//       nChw16c too when every c_i and C_i is a multiple of 16 (all pieces in one layout)
+//   layerfuse.onednn.pool2d      (x, attrs, out)
+//       attrs = (alg, kh, kw, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right,
+//       blocked); alg: 0 max, 1 average counting the padding, 2 average over the input
+//       elements only; out's size decides the right/bottom padding oneDNN adds (ceil_mode);
+//       x and out both in nChw16c when blocked, else both NCHW
 //
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
 //       "jit:avx512_core" or "jit_1x1:avx512_core"; the compiler refuses "ref:" kernels.
+//   layerfuse.onednn.pool_implementation(x_shape, out_shape, attrs) -> str   the same, pools
 
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/container/tensor.h>
@@ -43,6 +54,7 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -62,11 +74,20 @@ using dt = dnnl::memory::data_type;
 
 constexpr int kFingerprint = 16;  // sampled weight values compared per call
 
+float FloatBits(int64_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 struct Attrs {
   int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_blocked, dst_blocked;
+  float alpha, beta;
   static Attrs From(const Shape& a) {
-    if (a.size() != 12) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 12 entries, got " << a.size();
-    return Attrs{{a[0], a[1]}, {a[2], a[3]}, {a[4], a[5]}, {a[6], a[7]}, a[8], a[9], a[10], a[11]};
+    if (a.size() != 14) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 14 entries, got " << a.size();
+    return Attrs{{a[0], a[1]}, {a[2], a[3]}, {a[4], a[5]}, {a[6], a[7]}, a[8], a[9], a[10], a[11],
+                 FloatBits(a[12]), FloatBits(a[13])};
   }
 };
 
@@ -80,7 +101,7 @@ dnnl::engine& Engine() {
 dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
 
 dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w, const Attrs& at, bool residual,
-                                                   double alpha, double beta) {
+                                                   bool dst_blocked) {
   const int64_t N = x[0], C = x[1], H = x[2], W = x[3];
   const int64_t O = w[0], kh = w[2], kw = w[3], G = at.groups;
   auto out_size = [&](int64_t in, int64_t k, int i) {
@@ -89,7 +110,7 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
   const int64_t OH = out_size(H, kh, 0), OW = out_size(W, kw, 1);
   if (C != w[1] * G || O % G != 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv shapes do not agree";
   dnnl::memory::desc src({N, C, H, W}, dt::f32, at.src_blocked ? tag::nChw16c : tag::any);
-  dnnl::memory::desc dst({N, O, OH, OW}, dt::f32, at.dst_blocked ? tag::nChw16c : tag::any);
+  dnnl::memory::desc dst({N, O, OH, OW}, dt::f32, dst_blocked ? tag::nChw16c : tag::any);
   dnnl::memory::desc bias({O}, dt::f32, tag::x);
   dims wdims = G == 1 ? dims{O, C, kh, kw} : dims{G, O / G, C / G, kh, kw};
   dnnl::memory::desc wei(wdims, dt::f32, tag::any);
@@ -101,10 +122,8 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
   if (residual) ops.append_sum(1.f);
   switch (at.act) {
     case 0: break;
-    case 1: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, static_cast<float>(alpha), 0.f); break;
-    case 2:
-      ops.append_eltwise(1.f, dnnl::algorithm::eltwise_clip, static_cast<float>(alpha), static_cast<float>(beta));
-      break;
+    case 1: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, at.alpha, 0.f); break;
+    case 2: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_clip, at.alpha, at.beta); break;
     case 3: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_swish, 1.f, 0.f); break;
     case 4: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_logistic, 0.f, 0.f); break;
     default: TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << at.act;
@@ -154,37 +173,41 @@ std::unordered_map<std::string, std::unique_ptr<Layer>>& Layers() {
   return *layers;
 }
 
-Layer& Get(const TensorView& x, const TensorView& w, const Attrs& at, const Shape& attrs, bool residual, double alpha,
-           double beta) {
+// The rows [o, o + O) of a conv's weights and bias: one piece of a merged conv (or all of it).
+struct Rows {
+  const float* w;  // [O, C/groups, kh, kw]
+  const float* b;  // [O]
+  dims wdims;
+};
+
+Layer& Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs, bool residual, bool dst_blocked) {
   std::ostringstream key;
-  key << (residual ? "sum:" : "") << w.data_ptr() << '+' << w.byte_offset();
-  for (int i = 0; i < 4; ++i) key << ':' << x.shape()[i] << ',' << w.shape()[i];
+  key << (residual ? "sum:" : "") << static_cast<const void*>(rows.w) << ':' << dst_blocked;
+  for (int i = 0; i < 4; ++i) key << ':' << x[i] << ',' << rows.wdims[i];
   for (int64_t v : attrs) key << ';' << v;
-  key << '|' << alpha << '|' << beta;
-  const float* wdata = Data(w);
-  const int64_t wn = w.numel();
+  const int64_t wn = rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3];
   auto& layers = Layers();
   auto it = layers.find(key.str());
-  if (it != layers.end() && it->second->fingerprint == Fingerprint(wdata, wn)) return *it->second;
+  if (it != layers.end() && it->second->fingerprint == Fingerprint(rows.w, wn)) return *it->second;
   auto layer = std::make_unique<Layer>();
-  layer->pd = MakeDesc(Dims(x.shape().data(), 4), Dims(w.shape().data(), 4), at, residual, alpha, beta);
+  layer->pd = MakeDesc(x, rows.wdims, at, residual, dst_blocked);
   layer->prim = dnnl::convolution_forward(layer->pd);
   // the weights, once, into the layout the primitive prefers
-  dims plain = at.groups == 1 ? Dims(w.shape().data(), 4)
-                              : dims{at.groups, w.shape()[0] / at.groups, w.shape()[1], w.shape()[2], w.shape()[3]};
+  const dims& w = rows.wdims;
+  dims plain = at.groups == 1 ? w : dims{at.groups, w[0] / at.groups, w[1], w[2], w[3]};
   dnnl::memory::desc user(plain, dt::f32, at.groups == 1 ? tag::oihw : tag::goihw);
-  dnnl::memory src(user, Engine(), const_cast<float*>(wdata));
+  dnnl::memory src(user, Engine(), const_cast<float*>(rows.w));
   layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
   dnnl::stream s(Engine());
   dnnl::reorder(src, layer->weights).execute(s, src, layer->weights);
   s.wait();
-  layer->fingerprint = Fingerprint(wdata, wn);
+  layer->fingerprint = Fingerprint(rows.w, wn);
   // plain activations: reorders into and out of the primitive's layout, buffers kept
   const dnnl::memory::desc src_md = layer->pd.src_desc(), dst_md = layer->pd.dst_desc();
   layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
   layer->dst_plain = dnnl::memory::desc(dst_md.dims(), dt::f32, tag::nchw);
   layer->src_reorder = !at.src_blocked && src_md != layer->src_plain;
-  layer->dst_reorder = !at.dst_blocked && dst_md != layer->dst_plain;
+  layer->dst_reorder = !dst_blocked && dst_md != layer->dst_plain;
   if (layer->src_reorder) {
     layer->src_buf = dnnl::memory(src_md, Engine());
     layer->src_in = dnnl::reorder(dnnl::memory(layer->src_plain, Engine(), nullptr), layer->src_buf);
@@ -199,65 +222,145 @@ Layer& Get(const TensorView& x, const TensorView& w, const Attrs& at, const Shap
   return ref;
 }
 
-void Run(TensorView x, TensorView w, TensorView b, const TensorView* r, Shape attrs, double alpha, double beta,
-         TensorView out) {
+// One conv (rows of a merged one, or all of it) from x into out, with the mutex held.
+void RunRows(const TensorView& x, const Rows& rows, const Attrs& at, const Shape& attrs, const TensorView* r,
+             const TensorView& out, bool dst_blocked) {
+  Layer& layer = Get(Dims(x.shape().data(), 4), rows, at, attrs, r != nullptr, dst_blocked);
+  for (int i = 0; i < 4; ++i) {
+    if (out.shape()[i] != layer.pd.dst_desc().dims()[i] || (r && r->shape()[i] != out.shape()[i]))
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
+  }
+  float* dst_ptr = const_cast<float*>(Data(out));
+  dnnl::stream s(Engine());
+  dnnl::memory src, dst;
+  if (layer.src_reorder) {
+    dnnl::memory user(layer.src_plain, Engine(), const_cast<float*>(Data(x)));
+    layer.src_in.execute(s, user, layer.src_buf);
+    src = layer.src_buf;
+  } else {
+    src = dnnl::memory(layer.pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
+  }
+  if (layer.dst_reorder) {
+    dst = layer.dst_buf;
+    if (r) {  // the residual, in the primitive's layout, for the sum post-op
+      dnnl::memory user(layer.dst_plain, Engine(), const_cast<float*>(Data(*r)));
+      layer.dst_in.execute(s, user, dst);
+    }
+  } else {
+    dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
+    if (r && Data(*r) != dst_ptr) std::memcpy(dst_ptr, Data(*r), sizeof(float) * out.numel());
+  }
+  dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(rows.b));
+  layer.prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, layer.weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
+  if (layer.dst_reorder) {
+    dnnl::memory user(layer.dst_plain, Engine(), dst_ptr);
+    layer.dst_out.execute(s, dst, user);
+  }
+  s.wait();
+}
+
+void Run(const TensorView& x, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
+         const std::vector<TensorView>& outs) {
   CheckTensor(x, 4, "input");
   CheckTensor(w, 4, "weight");
   CheckTensor(b, 1, "bias");
-  CheckTensor(out, 4, "output");
   if (r) CheckTensor(*r, 4, "residual");
   Attrs at = Attrs::From(attrs);
+  if (outs.empty()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: no output";
+  if (outs.size() > 1 && (r || at.groups != 1))
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: split outputs need a conv without residual and groups";
+  if (b.shape()[0] != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
+  const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];  // weights per output channel
+  int64_t o = 0;  // output channels done
   try {
     std::lock_guard<std::mutex> lock(Mutex());
-    Layer& layer = Get(x, w, at, attrs, r != nullptr, alpha, beta);
-    for (int i = 0; i < 4; ++i) {
-      if (out.shape()[i] != layer.pd.dst_desc().dims()[i] || (r && r->shape()[i] != out.shape()[i]))
-        TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
+    for (size_t j = 0; j < outs.size(); ++j) {
+      CheckTensor(outs[j], 4, "output");
+      const int64_t Oj = outs[j].shape()[1];
+      if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
+      Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
+      RunRows(x, rows, at, attrs, r, outs[j], (at.dst_blocked >> j) & 1);
+      o += Oj;
     }
-    if (b.shape()[0] != out.shape()[1]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
-    float* dst_ptr = const_cast<float*>(Data(out));
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+  if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];
+}
+
+// conv2d(x, w, b, attrs, out_1, ..., out_k)
+void Conv2d(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
+  if (args.size() < 5) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d: expected (x, w, b, attrs, out...)";
+  std::vector<TensorView> outs;
+  for (int i = 4; i < args.size(); ++i) outs.push_back(args[i].cast<TensorView>());
+  Run(args[0].cast<TensorView>(), args[1].cast<TensorView>(), args[2].cast<TensorView>(), nullptr,
+      args[3].cast<Shape>(), outs);
+}
+
+void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape attrs, TensorView out) {
+  Run(x, w, b, &r, attrs, {out});
+}
+
+// out = pool(x): max or average, in nChw16c or NCHW (see the header).
+struct Pool {
+  dnnl::pooling_forward::primitive_desc pd;
+  dnnl::pooling_forward prim;
+};
+
+dnnl::pooling_forward::primitive_desc PoolDesc(const dims& x, const dims& y, const Shape& a) {
+  if (a.size() != 10) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: attrs must have 10 entries, got " << a.size();
+  static const dnnl::algorithm algs[] = {dnnl::algorithm::pooling_max, dnnl::algorithm::pooling_avg_include_padding,
+                                         dnnl::algorithm::pooling_avg_exclude_padding};
+  if (a[0] < 0 || a[0] > 2) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: unknown algorithm " << a[0];
+  const int64_t kh = a[1], kw = a[2], sh = a[3], sw = a[4], pt = a[5], pl = a[6];
+  // the bottom/right padding: the stated one, or more where out's size needs it (ceil_mode)
+  const int64_t pb = std::max(a[7], (y[2] - 1) * sh + kh - x[2] - pt);
+  const int64_t pr = std::max(a[8], (y[3] - 1) * sw + kw - x[3] - pl);
+  if ((x[2] + pt + pb - kh) / sh + 1 != y[2] || (x[3] + pl + pr - kw) / sw + 1 != y[3] || x[0] != y[0] || x[1] != y[1])
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: output shape does not match the pool";
+  const tag t = a[9] ? tag::nChw16c : tag::nchw;
+  dnnl::memory::desc src(x, dt::f32, t), dst(y, dt::f32, t);
+  dnnl::pooling_forward::desc d(dnnl::prop_kind::forward_inference, algs[a[0]], src, dst, {sh, sw}, {kh, kw}, {pt, pl},
+                                {pb, pr});
+  return dnnl::pooling_forward::primitive_desc(d, Engine());
+}
+
+void Pool2d(TensorView x, Shape attrs, TensorView out) {
+  CheckTensor(x, 4, "input");
+  CheckTensor(out, 4, "output");
+  try {
+    std::lock_guard<std::mutex> lock(Mutex());
+    static auto* pools = new std::unordered_map<std::string, std::unique_ptr<Pool>>();
+    std::ostringstream key;
+    for (int i = 0; i < 4; ++i) key << x.shape()[i] << ',' << out.shape()[i] << ';';
+    for (int64_t v : attrs) key << v << ';';
+    auto it = pools->find(key.str());
+    if (it == pools->end()) {
+      auto pool = std::make_unique<Pool>();
+      pool->pd = PoolDesc(Dims(x.shape().data(), 4), Dims(out.shape().data(), 4), attrs);
+      pool->prim = dnnl::pooling_forward(pool->pd);
+      it = pools->emplace(key.str(), std::move(pool)).first;
+    }
+    const Pool& pool = *it->second;
     dnnl::stream s(Engine());
-    dnnl::memory src, dst;
-    if (layer.src_reorder) {
-      dnnl::memory user(layer.src_plain, Engine(), const_cast<float*>(Data(x)));
-      layer.src_in.execute(s, user, layer.src_buf);
-      src = layer.src_buf;
-    } else {
-      src = dnnl::memory(layer.pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
-    }
-    if (layer.dst_reorder) {
-      dst = layer.dst_buf;
-      if (r) {  // the residual, in the primitive's layout, for the sum post-op
-        dnnl::memory user(layer.dst_plain, Engine(), const_cast<float*>(Data(*r)));
-        layer.dst_in.execute(s, user, dst);
-      }
-    } else {
-      dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
-      if (r && Data(*r) != dst_ptr) std::memcpy(dst_ptr, Data(*r), sizeof(float) * out.numel());
-    }
-    dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(Data(b)));
-    layer.prim.execute(s, {{DNNL_ARG_SRC, src},
-                           {DNNL_ARG_WEIGHTS, layer.weights},
-                           {DNNL_ARG_BIAS, bias},
-                           {DNNL_ARG_DST, dst}});
-    if (layer.dst_reorder) {
-      dnnl::memory user(layer.dst_plain, Engine(), dst_ptr);
-      layer.dst_out.execute(s, dst, user);
-    }
+    dnnl::memory src(pool.pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
+    dnnl::memory dst(pool.pd.dst_desc(), Engine(), const_cast<float*>(Data(out)));
+    pool.prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
     s.wait();
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
 }
 
-void Conv2d(TensorView x, TensorView w, TensorView b, Shape attrs, double alpha, double beta, TensorView out) {
-  Run(x, w, b, nullptr, attrs, alpha, beta, out);
+String PoolImplementation(Shape x, Shape y, Shape attrs) {
+  if (x.size() != 4 || y.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
+  try {
+    return String(PoolDesc(Dims(x.data(), 4), Dims(y.data(), 4), attrs).impl_info_str());
+  } catch (const dnnl::error& e) {
+    return String(std::string("unsupported: ") + e.what());
+  }
 }
 
-void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape attrs, double alpha, double beta,
-               TensorView out) {
-  Run(x, w, b, &r, attrs, alpha, beta, out);
-}
 
 // out (nChw16c bytes, [N, C, H, W] type) = x (NCHW): one reorder for a plain tensor that
 // several oneDNN layers read, instead of one inside each of them.
@@ -312,10 +415,11 @@ void ConcatChannels(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (offset != C) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat: inputs give " << offset << " channels, not " << C;
 }
 
-String Implementation(Shape x, Shape w, Shape attrs, bool residual, double alpha, double beta) {
+String Implementation(Shape x, Shape w, Shape attrs, bool residual) {
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
-    auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), Attrs::From(attrs), residual, alpha, beta);
+    const Attrs at = Attrs::From(attrs);
+    auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, at.dst_blocked & 1);
     return String(pd.impl_info_str());
   } catch (const dnnl::error& e) {
     return String(std::string("unsupported: ") + e.what());
@@ -335,7 +439,10 @@ String Version() {
 // compiler's build cache and an artifact); the last one loaded serves the calls.
 TVM_FFI_STATIC_INIT_BLOCK() {
   using tvm::ffi::Function;
-  Function::SetGlobal("layerfuse.onednn.conv2d", Function::FromTyped(layerfuse_onednn::Conv2d), true);
+  Function::SetGlobal("layerfuse.onednn.conv2d", Function::FromPacked(layerfuse_onednn::Conv2d), true);
+  Function::SetGlobal("layerfuse.onednn.pool2d", Function::FromTyped(layerfuse_onednn::Pool2d), true);
+  Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),
+                      true);
   Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);
   Function::SetGlobal("layerfuse.onednn.concat", Function::FromPacked(layerfuse_onednn::ConcatChannels), true);
   Function::SetGlobal("layerfuse.onednn.to_blocked", Function::FromTyped(layerfuse_onednn::ToBlocked), true);

@@ -11,32 +11,49 @@ models, convs without an epilogue). Per output element, NCHW::
 so the call becomes::
 
     y = R.call_dps_packed("layerfuse.onednn.conv2d[_add]",
-                          (x, W, reshape(b, [O]) [, r], attrs, alpha, beta), R.Tensor(y.shape))
+                          (x, W, reshape(b, [O]) [, r], attrs), R.Tensor(y.shape))
 
-with ``attrs = (stride_h, stride_w, pad_t, pad_l, pad_b, pad_r, dil_h, dil_w, groups, act)``
-and ``act``: 0 none, 1 relu (``alpha``: LeakyRelu's slope), 2 clip [``alpha``, ``beta``],
-3 silu, 4 sigmoid. Other epilogues (gates, adds after the activation, hard-sigmoid/swish,
-GELU, PReLU) stay with TVM. A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend on
-weights only, so ``LiftTransformParams`` computes them at compile time.
+with ``attrs = (stride_h, stride_w, pad_t, pad_l, pad_b, pad_r, dil_h, dil_w, groups, act,
+src_blocked, dst_blocked, bits(alpha), bits(beta))`` and ``act``: 0 none, 1 relu (``alpha``:
+LeakyRelu's slope), 2 clip [``alpha``, ``beta``], 3 silu, 4 sigmoid; ``bits`` is the float32's
+bit pattern (integer shape entries cost the VM nothing; a float argument costs a kernel
+launch). Other epilogues (gates, adds after the activation, hard-sigmoid/swish, GELU, PReLU)
+stay with TVM. A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend
+on weights only, so ``LiftTransformParams`` computes them at compile time.
 
-Layout (``attrs[10:12]``: src / dst blocked): a tensor whose producer and every reader are
-oneDNN layers (as input or residual), with ``C % 16 == 0``, holds oneDNN's blocked
-``nChw16c`` bytes instead of NCHW (same size and Relax type; no TVM kernel reads it), so
-consecutive convs run with no reorder between them. A plain tensor read by several oneDNN
-layers is reordered once (``layerfuse.onednn.to_blocked``) for all of them. A residual and the output of the layer
-that adds it share a layout (fixed point: a conflict makes both plain). Plain tensors are
-reordered in and out of the primitive's layout inside the library.
+Split pieces: a horizontally merged conv read only by ``split(axis=1)`` becomes one call
+with one output per piece (``out_sinfo`` a tuple)::
 
-Concatenations: a channel concat (4-d float32, axis 1) with an input made by a oneDNN
-layer cannot be made in place by the lowering (its producers are not TVM kernels), and TVM's
-untuned concat kernel copies element by element; it becomes ``layerfuse.onednn.concat``
-(one ``memcpy`` per piece and image) instead.
+    split(conv(x, W, b), [o_1, ...]) == (conv(x, W[0:o_1], b[0:o_1]), conv(x, W[o_1:o_2], ...), ...)
+
+so no split kernel copies the pieces (the library runs one primitive per row range).
+
+Pools and concatenations that read a oneDNN tensor become library calls too:
+``max_pool2d`` / ``avg_pool2d`` (NCHW, no dilation; ``count_include_pad`` only where
+ceil_mode adds no cells beyond the stated padding, which ONNX would not count) and the
+global average (``mean`` over H, W with keepdims, ``adaptive_avg_pool2d`` to 1x1) ->
+``layerfuse.onednn.pool2d``; a channel concat -> ``layerfuse.onednn.concat`` (one ``memcpy``
+per piece and image: TVM's in-place concat only moves TVM kernels' outputs).
+
+Layout (per tensor: plain NCHW or oneDNN's blocked ``nChw16c``, same size and Relax type).
+Tensors that must share a layout form classes: a concat's inputs and output (per image,
+channels ``[c, c + C)`` of an ``nChw16c`` tensor are the contiguous range ``[c*H*W, (c+C)*H*W)``
+when ``c`` and ``C`` are multiples of 16, exactly as in NCHW, so the concat's copies are the
+same bytes either way), a pool's src and dst, a residual and the output it is added to.
+A class is blocked when every member is 4-d with ``C % 16 == 0``, made by a library call,
+and read by library calls only (never by a TVM kernel or the caller) -- except that a
+``C % 16 == 0`` tensor with 1x1 spatial has the same bytes in both layouts, so anyone may
+read it. A conv reads either layout (``src_blocked``) and writes either (``dst_blocked``, a
+bit per output piece); a plain src or dst is reordered inside the library call, and a plain
+tensor read by several convs is reordered once (``layerfuse.onednn.to_blocked``). So
+reorders happen only where a TVM kernel reads or writes a tensor next to a oneDNN layer.
 
 The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
 bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_info_str`` not
 ``ref:``); otherwise ``tvm`` (TVM's own kernel), with the reason. ``pass.layers`` lists
-every choice ``{"layer", "tactic", "kernel" | "reason", "shape"}``.
+every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout"}``: conv layers,
+pools (``pool:<var>``, tactic ``onednn``) and concats (``concat:<var>``, tactic ``copy``).
 """
 
 from __future__ import annotations
@@ -120,7 +137,11 @@ class UseOneDNNConv:
         mod = relax.transform.DeadCodeElimination()(mod)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
-                mod[gv] = assign_layouts(copy_concats(func, self.layers), self.layers)
+                mod[gv] = merge_splits(func)
+        mod = relax.transform.DeadCodeElimination()(mod)
+        for gv, func in relax_functions(mod):
+            if not is_primitive(func):
+                mod[gv] = assign_layouts(pools_and_concats(func, self.layers), self.layers)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
         return mod
@@ -134,9 +155,7 @@ class UseOneDNNConv:
             if self.only is not None and name not in self.only:
                 raise Refused("not selected for oneDNN")
             attrs = self._attrs(ep, x_shape, w_shape, out_shape)
-            kernel = onednn.implementation(
-                x_shape, w_shape, attrs, residual=ep.residual is not None, alpha=ep.alpha, beta=ep.beta
-            )
+            kernel = onednn.implementation(x_shape, w_shape, attrs, residual=ep.residual is not None)
             if kernel.startswith(("ref", "unsupported")):
                 raise Refused(f"oneDNN has only a reference kernel for it ({kernel})")
         except Refused as r:
@@ -167,7 +186,8 @@ class UseOneDNNConv:
         ]
         if list(out_shape[2:]) != want or min(want) < 1 or out_shape[1] != w_shape[0] or out_shape[0] != x_shape[0]:
             raise Refused(f"the conv's output {list(out_shape)} is not the {want} oneDNN computes")
-        return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act], 0, 0]
+        bits = [onednn.float_bits(ep.alpha), onednn.float_bits(ep.beta)]
+        return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act], 0, 0, *bits]
 
     def constant(self, expr: relax.Expr, caller_args: Mapping) -> float:
         """The value of a scalar clip bound (a constant, or a weight parameter's value)."""
@@ -297,17 +317,14 @@ class _Rewriter(relax.PyExprMutator):
         args = [self.visit_expr(ep.data), self.visit_expr(ep.weight), bias]
         if ep.residual is not None:
             args.append(self.visit_expr(ep.residual))
-        args += [
-            relax.ShapeExpr(attrs),
-            relax.prim_value(float(ep.alpha)),
-            relax.prim_value(float(ep.beta)),
-        ]
+        args.append(relax.ShapeExpr(attrs))
         return relax.call_dps_packed(func, args, relax.TensorType(list(out_shape), "float32"))
 
 
-# ---------------------------------------------------------------------- layouts
+# ---------------------------------------------------------------------- data movement and layouts
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
 BLOCK = 16  # nChw16c
+_CONVS = (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_add"])
 
 
 def _onednn_call(value) -> Optional[tuple[str, list]]:
@@ -315,90 +332,267 @@ def _onednn_call(value) -> Optional[tuple[str, list]]:
     if not isinstance(value, relax.Call) or not value.op.same_as(_DPS):
         return None
     name = str(getattr(value.args[0], "global_symbol", ""))
-    if name not in onednn.FUNCTIONS.values():
+    if not name.startswith("layerfuse.onednn."):
         return None
     return name, list(value.args[1].fields)
 
 
+def _bindings(func: relax.Function) -> list:
+    return [b for block in func.body.blocks for b in block.bindings]
+
+
+def _uses(func: relax.Function) -> dict:
+    """var -> how many times the bindings and the result of ``func`` read it."""
+    count: dict = {}
+    for b in _bindings(func):
+        for v in relax.analysis.free_vars(b.value):
+            count[v] = count.get(v, 0) + 1
+    for v in relax.analysis.free_vars(func.body.body):
+        count[v] = count.get(v, 0) + 1
+    return count
+
+
+def merge_splits(func: relax.Function) -> relax.Function:
+    """``split(conv(x), axis=1)`` of a horizontally merged oneDNN conv -> one call whose
+    outputs are the pieces (``layerfuse.onednn.conv2d`` with k outputs: piece j is the conv
+    with weight and bias rows of that piece): no split kernel, no copy."""
+    values = {b.var: b.value for b in _bindings(func)}
+    uses = _uses(func)
+    chosen = {}
+    for b in _bindings(func):
+        v = b.value
+        if _op(v) != "relax.split" or not isinstance(v.args[0], relax.Var) or int(v.attrs.axis) not in (1, -3):
+            continue
+        x = v.args[0]
+        found = _onednn_call(values.get(x))
+        if found is None or found[0] != onednn.FUNCTIONS["conv2d"] or uses.get(x) != 1:
+            continue
+        name, args = found
+        if int(args[-1].values[8]) != 1 or static_shape(x) is None or len(static_shape(x)) != 4:
+            continue  # grouped convs keep the split
+        chosen[v] = (name, args, list(b.var.ty.fields))
+    return _Replace(chosen).visit_expr(func) if chosen else func
+
+
+def _pool_attrs(value, x_shape, y_shape) -> Optional[list[int]]:
+    """``layerfuse.onednn.pool2d``'s attrs for a pooling op that oneDNN computes alike, else None."""
+    op = _op(value)
+    if op == "relax.mean":
+        axes = sorted(int(a) % 4 for a in (value.attrs.axis or []))
+        if axes != [2, 3] or not value.attrs.keepdims:
+            return None
+        return [onednn.POOL_ALGORITHMS["avg"], x_shape[2], x_shape[3], 1, 1, 0, 0, 0, 0, 0]
+    if op == "relax.nn.adaptive_avg_pool2d":
+        if str(value.attrs.layout) != "NCHW" or str(value.attrs.out_layout) != "NCHW" or tuple(y_shape[2:]) != (1, 1):
+            return None
+        return [onednn.POOL_ALGORITHMS["avg"], x_shape[2], x_shape[3], 1, 1, 0, 0, 0, 0, 0]
+    if op not in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
+        return None
+    a = value.attrs
+    if str(a.layout) != "NCHW" or str(a.out_layout) != "NCHW" or any(int(d) != 1 for d in a.dilation):
+        return None
+    kh, kw = (int(k) for k in a.pool_size)
+    sh, sw = (int(s) for s in a.strides)
+    pad = [int(p) for p in a.padding]
+    pad = pad * 2 if len(pad) == 2 else pad  # top, left, bottom, right
+    # the bottom/right padding that gives the output size: the stated one, or more (ceil_mode)
+    need = [(y_shape[2] - 1) * sh + kh - x_shape[2] - pad[0], (y_shape[3] - 1) * sw + kw - x_shape[3] - pad[1]]
+    end = [max(pad[2], need[0]), max(pad[3], need[1])]
+    if any((x_shape[2 + i] + pad[i] + end[i] - (kh, kw)[i]) // (sh, sw)[i] + 1 != y_shape[2 + i] for i in range(2)):
+        return None
+    if max(pad) >= min(kh, kw):
+        return None
+    if op == "relax.nn.max_pool2d":
+        alg = "max"
+    elif a.count_include_pad:
+        if end != pad[2:]:
+            return None  # ceil_mode's extra cells are not counted in ONNX, oneDNN would count them
+        alg = "avg_include_pad"
+    else:
+        alg = "avg"
+    return [onednn.POOL_ALGORITHMS[alg], kh, kw, sh, sw, *pad, 0]
+
+
+def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
+    """Pools and channel concats that read oneDNN tensors -> ``layerfuse.onednn.pool2d`` /
+    ``layerfuse.onednn.concat`` (so the tensors around them can stay blocked)."""
+    values = {b.var: b.value for b in _bindings(func)}
+    made = set()  # tensors (or tuples of pieces) a oneDNN call makes
+    chosen = {}
+    for b in _bindings(func):
+        v = b.value
+        if _onednn_call(v) is not None:
+            made.add(b.var)
+            continue
+        if isinstance(v, relax.TupleGetItem) and v.tuple_value in made:
+            made.add(b.var)
+            continue
+        y_shape = static_shape(b.var)
+        if _op(v) == "relax.concat":
+            fields = v.args[0]
+            fields = values.get(fields, fields) if isinstance(fields, relax.Var) else fields
+            axis = int(v.attrs.axis) if v.attrs.axis is not None else 0
+            if not isinstance(fields, relax.Tuple) or y_shape is None or len(y_shape) != 4 or axis not in (1, -3):
+                continue
+            items = list(fields.fields)
+            if dtype_of(b.var) != "float32" or not all(isinstance(x, relax.Var) and static_shape(x) for x in items):
+                continue
+            if not any(x in made for x in items):
+                continue  # TVM producers only: the lowering's in-place concat takes it
+            chosen[v] = (onednn.CONCAT, items, relax.TensorType(list(y_shape), "float32"))
+            made.add(b.var)
+            layers.append(LayerChoice(f"concat:{b.var.name}", "copy", kernel="memcpy", shape=f"out{list(y_shape)}"))
+            continue
+        if not isinstance(v, relax.Call) or not v.args or v.args[0] not in made or dtype_of(b.var) != "float32":
+            continue
+        x_shape = static_shape(v.args[0])
+        if x_shape is None or y_shape is None or len(x_shape) != 4 or len(y_shape) != 4:
+            continue
+        attrs = _pool_attrs(v, x_shape, y_shape)
+        if attrs is None:
+            continue
+        kernel = onednn.pool_implementation(x_shape, y_shape, attrs)
+        if kernel.startswith(("ref", "unsupported")):
+            continue
+        chosen[v] = (onednn.POOL, [v.args[0], relax.ShapeExpr(attrs)], relax.TensorType(list(y_shape), "float32"))
+        made.add(b.var)
+        layers.append(LayerChoice(f"pool:{b.var.name}", "onednn", kernel=kernel, shape=f"x{list(x_shape)} out{list(y_shape)}"))
+    return _Replace(chosen).visit_expr(func) if chosen else func
+
+
+@relax.expr_functor.mutator
+class _Replace(relax.PyExprMutator):
+    """Replace chosen calls (by identity) with ``call_dps_packed(name, args, out)``, args visited."""
+
+    def __init__(self, chosen: dict) -> None:
+        super().__init__()
+        self.chosen = chosen
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new = self.chosen.get(call)
+        if new is None:
+            return super().visit_call_(call)
+        name, args, out = new
+        return relax.call_dps_packed(name, [self.visit_expr(a) for a in args], out)
+
+
+class _Classes:
+    """Union-find over tensors that must share one layout."""
+
+    def __init__(self) -> None:
+        self.parent: dict = {}
+
+    def find(self, v):
+        self.parent.setdefault(v, v)
+        while self.parent[v] is not v:
+            self.parent[v] = self.parent[self.parent[v]]
+            v = self.parent[v]
+        return v
+
+    def union(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra is not rb:
+            self.parent[ra] = rb
+
+
 def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
-    """Mark the tensors passed only between oneDNN layers as blocked (see module doc)."""
-    bindings = [b for block in func.body.blocks for b in block.bindings]
+    """Choose plain or blocked bytes for every tensor that oneDNN calls make (see module doc)."""
+    bindings = _bindings(func)
     calls = {}  # var -> (name, args)
-    readers: dict = {}  # var -> list of (reader var or None for a TVM op / the output, role)
+    pieces: dict = {}  # tuple var -> {index: [piece vars]}
+    producer: dict = {}  # tensor var -> "onednn"
+    tvm_read: set = set()  # tensors a TVM kernel (or the caller) reads
+    classes = _Classes()
     for b in bindings:
-        found = _onednn_call(b.value)
+        v = b.value
+        found = _onednn_call(v)
         if found is not None:
             calls[b.var] = found
             name, args = found
-            for k, a in enumerate(args):
-                if isinstance(a, relax.Var):
-                    role = "data" if k == 0 else ("residual" if name.endswith("_add") and k == 3 else "other")
-                    readers.setdefault(a, []).append((b.var, role))
+            if name == onednn.CONCAT:
+                for a in args:
+                    classes.union(a, b.var)
+            elif name == onednn.POOL:
+                classes.union(args[0], b.var)
+            elif name == onednn.FUNCTIONS["conv2d_add"] and isinstance(args[3], relax.Var):
+                classes.union(args[3], b.var)
+            if not isinstance(b.var.ty, relax.TupleType):
+                producer[b.var] = "onednn"
             continue
-        for v in relax.analysis.free_vars(b.value):
-            readers.setdefault(v, []).append((None, "tvm"))
-    for v in relax.analysis.free_vars(func.body.body):
-        readers.setdefault(v, []).append((None, "output"))
+        if isinstance(v, relax.TupleGetItem) and v.tuple_value in calls:
+            pieces.setdefault(v.tuple_value, {}).setdefault(int(v.index), []).append(b.var)
+            producer[b.var] = "onednn"
+            continue
+        tvm_read.update(relax.analysis.free_vars(v))
+    tvm_read.update(relax.analysis.free_vars(func.body.body))
+    for parts in pieces.values():
+        for same in parts.values():
+            for other in same[1:]:
+                classes.union(same[0], other)
 
     def can_block(var) -> bool:
         shape = static_shape(var)
-        users = readers.get(var, [])
-        return (
-            isinstance(var, relax.DataflowVar)
-            and shape is not None
-            and len(shape) == 4
-            and shape[1] % BLOCK == 0
-            and bool(users)
-            and all(r is not None and role in ("data", "residual") for r, role in users)
-        )
+        if shape is None or len(shape) != 4 or shape[1] % BLOCK != 0 or producer.get(var) != "onednn":
+            return False
+        if shape[2] * shape[3] == 1:
+            return True  # C % 16 == 0 and 1x1: nChw16c and NCHW are the same bytes
+        return isinstance(var, relax.DataflowVar) and var not in tvm_read
 
-    blocked = {v for v in calls if can_block(v)}
-    changed = True
-    while changed:  # a residual and the output it is added to share one layout
-        changed = False
-        for v, (name, args) in calls.items():
-            if name.endswith("_add") and isinstance(args[3], relax.Var):
-                r = args[3]
-                if (r in blocked) != (v in blocked):
-                    blocked.discard(r)
-                    blocked.discard(v)
-                    changed = True
-    # A plain tensor that several oneDNN layers read: reordered once (to_blocked), not in each.
+    members: dict = {}
+    for v in list(classes.parent) + list(producer):
+        members.setdefault(classes.find(v), set()).add(v)
+    blocked = {v for root, vs in members.items() if all(can_block(m) for m in vs) for v in vs}
+
+    # A plain tensor that several oneDNN convs read: reordered once (to_blocked), not in each.
     data_readers: dict = {}
     for v, (name, args) in calls.items():
         x = args[0]
-        if isinstance(x, relax.Var) and x not in blocked:
+        if name in _CONVS and isinstance(x, relax.Var) and x not in blocked:
             data_readers.setdefault(x, []).append(v)
     shared = {
         x
         for x, rs in data_readers.items()
         if len(rs) >= 2 and static_shape(x) is not None and len(static_shape(x)) == 4 and static_shape(x)[1] % BLOCK == 0
     }
-    by_var = {}
+    flags = {}  # call var -> (src flag, dst flag or mask)
     for v, (name, args) in calls.items():
-        src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared)
-        by_var[v] = (src, v in blocked)
-    _record_layouts(layers, calls, by_var)
-    by_call = {b.value: by_var[b.var] for b in bindings if b.var in by_var and any(by_var[b.var])}
+        if name in _CONVS:
+            src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared)
+            if isinstance(v.ty, relax.TupleType):
+                parts = pieces.get(v, {})
+                dst = sum(1 << j for j, vs in parts.items() if vs[0] in blocked)
+            else:
+                dst = int(v in blocked)
+            flags[v] = (int(src), dst)
+        elif name == onednn.POOL:
+            flags[v] = (int(v in blocked), int(v in blocked))
+    _record_layouts(layers, calls, flags)
+    by_call = {b.value: flags[b.var] for b in bindings if b.var in flags and any(flags[b.var])}
     return _SetLayouts(by_call, shared).visit_expr(func) if by_call else func
 
 
-def _record_layouts(layers: list, calls: dict, by_var: dict) -> None:
+def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
     """Tell each oneDNN LayerChoice (in call order) which layout its src and dst have."""
-    chosen = [c for c in layers if c.tactic == "onednn"]
-    for c, (v, (name, args)) in zip(chosen, calls.items()):
-        src, dst = by_var.get(v, (False, False))
-        c.layout = f"{'nChw16c' if src else 'nchw'}>{'nChw16c' if dst else 'nchw'}"
+    convs = [c for c in layers if c.tactic == "onednn" and not c.layer.startswith("pool:")]
+    pools = [c for c in layers if c.tactic == "onednn" and c.layer.startswith("pool:")]
+    conv_calls = [(v, found) for v, found in calls.items() if found[0] in _CONVS]
+    pool_calls = [(v, found) for v, found in calls.items() if found[0] == onednn.POOL]
+    for c, (v, (_, args)) in zip(pools, pool_calls):
+        c.layout = "nChw16c" if flags[v][0] else "nchw"
+        if flags[v][0]:  # the kernel oneDNN picks in that layout
+            attrs = [int(x) for x in args[-1].values]
+            attrs[9] = 1
+            c.kernel = onednn.pool_implementation(static_shape(args[0]), static_shape(v), attrs)
+    for c, (v, (name, args)) in zip(convs, conv_calls):
+        src, dst = flags.get(v, (0, 0))
+        n = len(v.ty.fields) if isinstance(v.ty, relax.TupleType) else 1
+        outs = ",".join("nChw16c" if (dst >> j) & 1 else "nchw" for j in range(n))
+        c.layout = f"{'nChw16c' if src else 'nchw'}>{outs}"
         if src or dst:  # the kernel oneDNN picks for these layouts
-            attrs = [int(x) for x in args[-3].values]
-            attrs[10], attrs[11] = int(src), int(dst)
+            attrs = [int(x) for x in args[-1].values]
+            attrs[10], attrs[11] = src, dst
             c.kernel = onednn.implementation(
-                static_shape(args[0]),
-                static_shape(args[1]),
-                attrs,
-                residual=name.endswith("_add"),
-                alpha=float(args[-2].value),
-                beta=float(args[-1].value),
+                static_shape(args[0]), static_shape(args[1]), attrs, residual=name == onednn.FUNCTIONS["conv2d_add"]
             )
 
 
@@ -414,59 +608,19 @@ class _SetLayouts(relax.PyExprMutator):
         flags = self.by_call.get(call)
         if flags is None:
             return super().visit_call_(call)
+        name = str(call.args[0].global_symbol)
         args = list(call.args[1].fields)
-        attrs = [int(x) for x in args[-3].values]
-        attrs[10], attrs[11] = int(flags[0]), int(flags[1])
-        args[-3] = relax.ShapeExpr(attrs)
+        attrs = [int(x) for x in args[-1].values]
+        if name == onednn.POOL:
+            attrs[9] = flags[0]
+        else:
+            attrs[10], attrs[11] = flags
+        args[-1] = relax.ShapeExpr(attrs)
         x = args[0]
         args = [self.visit_expr(a) for a in args]
-        if x in self.shared:
+        if name in _CONVS and x in self.shared:
             if x not in self.blocked_copy:
                 copy = relax.call_dps_packed(onednn.TO_BLOCKED, [args[0]], relax.TensorType(list(static_shape(x)), "float32"))
                 self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_nChw16c")
             args[0] = self.blocked_copy[x]
         return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
-
-
-# ---------------------------------------------------------------------- concatenations
-def copy_concats(func: relax.Function, layers: list) -> relax.Function:
-    """Channel concats with an input from a oneDNN layer -> ``layerfuse.onednn.concat``."""
-    bindings = [b for block in func.body.blocks for b in block.bindings]
-    values = {b.var: b.value for b in bindings}
-    from_onednn = {b.var for b in bindings if _onednn_call(b.value) is not None}
-    chosen = {}
-    for b in bindings:
-        v = b.value
-        if _op(v) != "relax.concat":
-            continue
-        fields = v.args[0]
-        if isinstance(fields, relax.Var):
-            fields = values.get(fields, fields)
-        if not isinstance(fields, relax.Tuple):
-            continue
-        items = list(fields.fields)
-        shape = static_shape(b.var)
-        axis = int(v.attrs.axis) if v.attrs.axis is not None else 0
-        if shape is None or len(shape) != 4 or axis not in (1, -3) or dtype_of(b.var) != "float32":
-            continue
-        if not all(isinstance(x, relax.Var) and static_shape(x) is not None for x in items):
-            continue
-        if not any(x in from_onednn for x in items):
-            continue  # TVM producers only: the lowering's in-place concat takes it
-        chosen[v] = items
-        layers.append(LayerChoice(f"concat:{b.var.name}", "copy", kernel="memcpy", shape=f"out{list(shape)}"))
-    return _CopyConcats(chosen).visit_expr(func) if chosen else func
-
-
-@relax.expr_functor.mutator
-class _CopyConcats(relax.PyExprMutator):
-    def __init__(self, chosen: dict) -> None:
-        super().__init__()
-        self.chosen = chosen
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        items = self.chosen.get(call)
-        if items is None:
-            return super().visit_call_(call)
-        args = [self.visit_expr(x) for x in items]
-        return relax.call_dps_packed(onednn.CONCAT, args, relax.TensorType(list(static_shape(call)), "float32"))
