@@ -40,3 +40,53 @@ def test_blocked_network_has_no_more_kernels_than_tvm_default(name, tmp_path):
     layouts = Counter(c["layout"] for c in layers if c["tactic"] == "onednn")
     assert layouts["nChw16c"] >= 1, layouts  # a pool between blocked tensors
     assert sum(n for k, n in layouts.items() if k.startswith("nChw16c>nChw16c")) >= 3, layouts
+
+
+def _pools_net(batch: int, seed: int):
+    """Inception-like: two 1x1 convs from one input (merged horizontally, split pieces),
+    one piece -> 3x3 conv, Concat of both, then every pool kind between convs: max 3/2 ceil,
+    average 3/1 pad 1 counting the padding, average 3/2 pad 1 ceil without it, average 2/2
+    ceil counting the padding (on 9x9: ceil cells oneDNN would count, so TVM), global average."""
+    from tvm_layerfuse.testing._builder import NetBuilder
+
+    b = NetBuilder("pools", seed=seed)
+    x = b.input("input", (batch, 8, 35, 35))
+    with b.scope("b1"):
+        p1 = b.relu(b.conv(x, 16, 1))
+    with b.scope("b2"):
+        p2 = b.relu(b.conv(x, 32, 1))
+    with b.scope("b2b"):
+        p2 = b.relu(b.conv(p2, 32, 3, pad=1))
+    y = b.concat([p1, p2])  # 48 channels: offsets 0, 16
+    pools = [
+        lambda t: b.maxpool(t, 3, 2, ceil=True),
+        lambda t: b.avgpool(t, 3, 1, 1, count_include_pad=True),
+        lambda t: b.avgpool(t, 3, 2, 1, ceil=True, count_include_pad=False),
+        lambda t: b.avgpool(t, 2, 2, 0, ceil=True, count_include_pad=True),
+    ]
+    for i, pool in enumerate(pools):
+        y = pool(y)
+        with b.scope(f"c{i}"):
+            y = b.relu(b.conv(y, 32, 3, pad=1))
+    y = b.global_avgpool(y)
+    y = b.flatten(y)
+    with b.scope("fc"):
+        y = b.linear(y, 10)
+    return b.build({"output": y})
+
+
+@needs_onednn
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_pool_kind_and_split_pieces_in_the_blocked_layout(batch, tmp_path):
+    model = _pools_net(batch, seed=20 + batch)
+    compile_run_compare(model, tmp_path, target="cpu", device="cpu")  # rel. error <= 1e-4
+    manifest = json.loads(next(tmp_path.glob("*-cpu/manifest.json")).read_text())
+    layers = {c["layer"]: c for c in manifest["tactics"]["layers"]}
+    pools = [c for name, c in layers.items() if name.startswith("pool:")]
+    assert len(pools) == 4, pools  # max, two averages, global; the ceil+count_include_pad one stays TVM
+    assert all(c["layout"] == "nChw16c" for c in pools), pools
+    assert any("," in c["layout"] for c in layers.values()), "the merged 1x1 convs write their pieces"
+    names = [c["layer"] for c in layers.values() if c["tactic"] == "copy"]
+    assert len(names) == 1  # the concat
+    kernels = manifest["fusion"]["kernels"]
+    assert kernels["split_kernels"] == 0 and kernels["concat_bytes_copied"] == 0
