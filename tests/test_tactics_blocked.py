@@ -18,7 +18,7 @@ MISSING = onednn.availability()
 needs_onednn = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
 
 MODELS = {  # full channel counts (C % 16 == 0 as in the real networks), small images
-    "googlenet": lambda: zoo.googlenet(width=1.0, image=32, blocks=4, seed=11),
+    "googlenet": lambda: zoo.googlenet(width=1.0, image=32, blocks=3, seed=11),
     "squeezenet1_1": lambda: zoo.squeezenet1_1(width=1.0, image=48, seed=12),
 }
 
@@ -90,3 +90,28 @@ def test_every_pool_kind_and_split_pieces_in_the_blocked_layout(batch, tmp_path)
     assert len(names) == 1  # the concat
     kernels = manifest["fusion"]["kernels"]
     assert kernels["split_kernels"] == 0 and kernels["concat_bytes_copied"] == 0
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "name, build",
+    [
+        # ReLU6 bounds reach the layer as the importer's where(isnan(p), -inf, p) on weights
+        ("mobilenet_v2", lambda: zoo.mobilenet_v2(width=0.5, image=32, seed=13)),
+        # pre-activation BatchNorm + ReLU: the conv's prologue on oneDNN (conv2d_pre)
+        ("densenet121", lambda: zoo.densenet121(width=1.0, image=32, seed=14, block_config=(2, 2))),
+    ],
+)
+def test_every_conv_layer_of_the_compiled_model_runs_on_onednn(name, build, tmp_path):
+    model = build()
+    compile_run_compare(model, tmp_path, target="cpu", device="cpu")  # rel. error <= 1e-4
+    manifest = json.loads(next(tmp_path.glob("*-cpu/manifest.json")).read_text())
+    layers = manifest["tactics"]["layers"]
+    refused = [(c["layer"], c["reason"]) for c in layers if c["tactic"] == "tvm"]
+    assert not refused, refused
+    if name == "densenet121":
+        pre = [c for c in layers if c["layer"].startswith("layerfuse_bn_relu_")]
+        assert len(pre) == 5 and all(c["tactic"] == "onednn" for c in pre), pre  # 2 + 2 dense layers, 1 transition
+        assert any(c["layout"].startswith("nChw16c>") for c in pre), pre  # the block's concat read blocked
+    launches = manifest["fusion"]["kernels"]["kernels"]
+    assert launches <= compare(model)["default"]["kernels"]

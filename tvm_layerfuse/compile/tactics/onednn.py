@@ -34,7 +34,11 @@ SONAME = "libdnnl.so.2"
 INSTALL = "apt-get install -y libdnnl2"
 INSTALL_DEV = "apt-get install -y libdnnl-dev"
 LIBRARY_FILE = "tactics_onednn.so"  # its name inside an artifact
-FUNCTIONS = {"conv2d": "layerfuse.onednn.conv2d", "conv2d_add": "layerfuse.onednn.conv2d_add"}
+FUNCTIONS = {
+    "conv2d": "layerfuse.onednn.conv2d",
+    "conv2d_add": "layerfuse.onednn.conv2d_add",
+    "conv2d_pre": "layerfuse.onednn.conv2d_pre",
+}
 TO_BLOCKED = "layerfuse.onednn.to_blocked"
 CONCAT = "layerfuse.onednn.concat"
 POOL = "layerfuse.onednn.pool2d"

@@ -9,6 +9,9 @@
 //       conv writes its split pieces; piece j is one conv with the rows o_j..o_j+O_j of w, b)
 //   layerfuse.onednn.conv2d_add  (x, w, b, r, attrs, out)
 //       out = act(conv2d(x, w) + b + r)      r: the residual, as oneDNN's `sum` post-op
+//   layerfuse.onednn.conv2d_pre  (x, s, t, w, b, attrs, out_1, ..., out_k)
+//       conv2d of relu(x * s + t) (s, t [C]: a pre-activation BatchNorm + ReLU, folded), the
+//       prologue as a oneDNN binary primitive (mul, post-ops add, relu) in x's layout
 //
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
 //   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
@@ -223,9 +226,9 @@ Layer& Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs,
 }
 
 // One conv (rows of a merged one, or all of it) from x into out, with the mutex held.
-void RunRows(const TensorView& x, const Rows& rows, const Attrs& at, const Shape& attrs, const TensorView* r,
-             const TensorView& out, bool dst_blocked) {
-  Layer& layer = Get(Dims(x.shape().data(), 4), rows, at, attrs, r != nullptr, dst_blocked);
+void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& at, const Shape& attrs,
+             const TensorView* r, const TensorView& out, bool dst_blocked) {
+  Layer& layer = Get(x_dims, rows, at, attrs, r != nullptr, dst_blocked);
   for (int i = 0; i < 4; ++i) {
     if (out.shape()[i] != layer.pd.dst_desc().dims()[i] || (r && r->shape()[i] != out.shape()[i]))
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
@@ -234,11 +237,11 @@ void RunRows(const TensorView& x, const Rows& rows, const Attrs& at, const Shape
   dnnl::stream s(Engine());
   dnnl::memory src, dst;
   if (layer.src_reorder) {
-    dnnl::memory user(layer.src_plain, Engine(), const_cast<float*>(Data(x)));
+    dnnl::memory user(layer.src_plain, Engine(), const_cast<float*>(x));
     layer.src_in.execute(s, user, layer.src_buf);
     src = layer.src_buf;
   } else {
-    src = dnnl::memory(layer.pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
+    src = dnnl::memory(layer.pd.src_desc(), Engine(), const_cast<float*>(x));
   }
   if (layer.dst_reorder) {
     dst = layer.dst_buf;
@@ -259,8 +262,52 @@ void RunRows(const TensorView& x, const Rows& rows, const Attrs& at, const Shape
   s.wait();
 }
 
+// The prologue of a pre-activation layer (DenseNet's BatchNorm + ReLU before the conv):
+// relu(x * s + t), s and t per input channel, as one oneDNN binary primitive (mul, post-ops
+// add and relu) into a buffer kept with it, in x's layout.
+struct Pre {
+  dnnl::binary::primitive_desc pd;
+  dnnl::binary prim;
+  dnnl::memory buf;
+};
+
+const float* RunPre(const TensorView& x, const TensorView& sc, const TensorView& sh, bool blocked) {
+  const dims d = Dims(x.shape().data(), 4);
+  if (sc.numel() != d[1] || sh.numel() != d[1])
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: prologue scale/shift length != input channels";
+  static auto* pres = new std::unordered_map<std::string, std::unique_ptr<Pre>>();
+  std::ostringstream key;
+  for (auto v : d) key << v << ',';
+  key << blocked;
+  auto it = pres->find(key.str());
+  const dnnl::memory::desc per_channel({1, d[1], 1, 1}, dt::f32, tag::nchw);
+  if (it == pres->end()) {
+    auto pre = std::make_unique<Pre>();
+    dnnl::memory::desc src(d, dt::f32, blocked ? tag::nChw16c : tag::nchw);
+    dnnl::post_ops ops;
+    ops.append_binary(dnnl::algorithm::binary_add, per_channel);
+    ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    dnnl::primitive_attr attr;
+    attr.set_post_ops(ops);
+    pre->pd = dnnl::binary::primitive_desc(dnnl::binary::desc(dnnl::algorithm::binary_mul, src, per_channel, src), attr,
+                                           Engine());
+    pre->prim = dnnl::binary(pre->pd);
+    pre->buf = dnnl::memory(pre->pd.dst_desc(), Engine());
+    it = pres->emplace(key.str(), std::move(pre)).first;
+  }
+  const Pre& pre = *it->second;
+  dnnl::stream s(Engine());
+  pre.prim.execute(s, {{DNNL_ARG_SRC_0, dnnl::memory(pre.pd.src_desc(0), Engine(), const_cast<float*>(Data(x)))},
+                       {DNNL_ARG_SRC_1, dnnl::memory(per_channel, Engine(), const_cast<float*>(Data(sc)))},
+                       {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
+                        dnnl::memory(per_channel, Engine(), const_cast<float*>(Data(sh)))},
+                       {DNNL_ARG_DST, pre.buf}});
+  s.wait();
+  return static_cast<const float*>(pre.buf.get_data_handle());
+}
+
 void Run(const TensorView& x, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
-         const std::vector<TensorView>& outs) {
+         const std::vector<TensorView>& outs, const TensorView* sc = nullptr, const TensorView* sh = nullptr) {
   CheckTensor(x, 4, "input");
   CheckTensor(w, 4, "weight");
   CheckTensor(b, 1, "bias");
@@ -274,12 +321,13 @@ void Run(const TensorView& x, const TensorView& w, const TensorView& b, const Te
   int64_t o = 0;  // output channels done
   try {
     std::lock_guard<std::mutex> lock(Mutex());
+    const float* xdata = sc ? RunPre(x, *sc, *sh, at.src_blocked) : Data(x);
     for (size_t j = 0; j < outs.size(); ++j) {
       CheckTensor(outs[j], 4, "output");
       const int64_t Oj = outs[j].shape()[1];
       if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
       Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
-      RunRows(x, rows, at, attrs, r, outs[j], (at.dst_blocked >> j) & 1);
+      RunRows(xdata, Dims(x.shape().data(), 4), rows, at, attrs, r, outs[j], (at.dst_blocked >> j) & 1);
       o += Oj;
     }
   } catch (const dnnl::error& e) {
@@ -299,6 +347,18 @@ void Conv2d(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
 
 void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape attrs, TensorView out) {
   Run(x, w, b, &r, attrs, {out});
+}
+
+// conv2d_pre(x, s, t, w, b, attrs, out_1, ..., out_k): conv2d of relu(x * s + t)
+void Conv2dPre(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
+  if (args.size() < 7) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d_pre: expected (x, s, t, w, b, attrs, out...)";
+  std::vector<TensorView> outs;
+  for (int i = 6; i < args.size(); ++i) outs.push_back(args[i].cast<TensorView>());
+  TensorView sc = args[1].cast<TensorView>(), sh = args[2].cast<TensorView>();
+  CheckTensor(sc, 1, "prologue scale");
+  CheckTensor(sh, 1, "prologue shift");
+  Run(args[0].cast<TensorView>(), args[3].cast<TensorView>(), args[4].cast<TensorView>(), nullptr,
+      args[5].cast<Shape>(), outs, &sc, &sh);
 }
 
 // out = pool(x): max or average, in nChw16c or NCHW (see the header).
@@ -440,6 +500,7 @@ String Version() {
 TVM_FFI_STATIC_INIT_BLOCK() {
   using tvm::ffi::Function;
   Function::SetGlobal("layerfuse.onednn.conv2d", Function::FromPacked(layerfuse_onednn::Conv2d), true);
+  Function::SetGlobal("layerfuse.onednn.conv2d_pre", Function::FromPacked(layerfuse_onednn::Conv2dPre), true);
   Function::SetGlobal("layerfuse.onednn.pool2d", Function::FromTyped(layerfuse_onednn::Pool2d), true);
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),
                       true);

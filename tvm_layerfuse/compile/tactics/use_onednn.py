@@ -1,7 +1,10 @@
 """UseOneDNNConv: hand each conv layer that oneDNN runs well to the oneDNN tactic library.
 
 The layers are the fused conv functions of :mod:`tvm_layerfuse.relax.fuse_epilogue`
-(``layerfuse_conv2d_*``) and the bare ``R.nn.conv2d`` calls left in ``main`` (unfused
+(``layerfuse_conv2d_*``) and :mod:`tvm_layerfuse.relax.fuse_prologue` (``layerfuse_bn_relu_*``:
+the conv reads ``relu(x * s + t)``, s and t per channel, as DenseNet's pre-activation
+BatchNorm + ReLU; ``layerfuse.onednn.conv2d_pre`` computes it with a oneDNN binary primitive,
+mul with post-ops add and relu, before the conv, in one call) and the bare ``R.nn.conv2d`` calls left in ``main`` (unfused
 models, convs without an epilogue). Per output element, NCHW::
 
     y = act( conv2d(x, W) + b [+ r] )          W, b: BatchNorm already folded in
@@ -74,6 +77,7 @@ from ...relax._ir import (
     static_shape,
 )
 from ...relax.fuse_epilogue import PREFIX
+from ...relax.fuse_prologue import PROLOGUE_PREFIX
 from . import onednn
 
 log = logging.getLogger(__name__)
@@ -106,6 +110,7 @@ class _Epilogue:
     act: Optional[str] = None
     alpha: float = 0.0
     beta: float = 0.0
+    pre: Optional[tuple] = None  # (s, t): the conv reads relu(data * s + t), s and t per channel
 
 
 class Refused(Exception):
@@ -125,6 +130,7 @@ class UseOneDNNConv:
         self.params = dict(params or {})
         self.only = only
         self.layers: list[LayerChoice] = []
+        self.bound: dict = {}  # var -> value in the function being rewritten (clip bounds)
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         onednn.load()  # the kernel query needs the library in this process
@@ -133,6 +139,7 @@ class UseOneDNNConv:
         for gv, func in relax_functions(mod):
             if is_primitive(func):
                 continue
+            self.bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
             mod[gv] = _Rewriter(mod, self).visit_expr(func)
         mod = relax.transform.DeadCodeElimination()(mod)
         for gv, func in relax_functions(mod):
@@ -154,6 +161,8 @@ class UseOneDNNConv:
         try:
             if self.only is not None and name not in self.only:
                 raise Refused("not selected for oneDNN")
+            if ep.pre is not None and ep.residual is not None:
+                raise Refused("a prologue and a residual in one layer")
             attrs = self._attrs(ep, x_shape, w_shape, out_shape)
             kernel = onednn.implementation(x_shape, w_shape, attrs, residual=ep.residual is not None)
             if kernel.startswith(("ref", "unsupported")):
@@ -162,7 +171,7 @@ class UseOneDNNConv:
             self.layers.append(LayerChoice(name, "tvm", reason=str(r), shape=shape))
             return None
         self.layers.append(LayerChoice(name, "onednn", kernel=kernel, shape=shape))
-        func = onednn.FUNCTIONS["conv2d_add" if ep.residual is not None else "conv2d"]
+        func = onednn.FUNCTIONS["conv2d_pre" if ep.pre is not None else "conv2d_add" if ep.residual is not None else "conv2d"]
         return func, attrs
 
     def _attrs(self, ep: _Epilogue, x_shape, w_shape, out_shape) -> list[int]:
@@ -190,17 +199,29 @@ class UseOneDNNConv:
         return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act], 0, 0, *bits]
 
     def constant(self, expr: relax.Expr, caller_args: Mapping) -> float:
-        """The value of a scalar clip bound (a constant, or a weight parameter's value)."""
-        expr = caller_args.get(expr, expr)
-        if isinstance(expr, tvm.ir.expr.Constant):  # a tensor constant, or a PrimValue
-            value = np.asarray(expr.value.numpy() if hasattr(expr.value, "numpy") else float(expr.value))
-        elif isinstance(expr, relax.Var) and expr.name in self.params:
-            value = np.asarray(self.params[expr.name])
-        else:
-            raise Refused("a clip bound is not a compile-time value")
+        """The value of a scalar clip bound (a constant, a weight parameter's value, or a
+        computation on those in the caller, e.g. the importer's ``where(isnan(p), -inf, p)``)."""
+        value = self._evaluate(caller_args.get(expr, expr), depth=0)
         if value.size != 1:
             raise Refused("a clip bound is not a scalar")
         return float(value.reshape(()))
+
+    _NUMPY = {"relax.where": np.where, "relax.isnan": np.isnan, "relax.isinf": np.isinf, "relax.logical_not": np.logical_not}
+
+    def _evaluate(self, expr: relax.Expr, *, depth: int) -> np.ndarray:
+        if isinstance(expr, tvm.ir.expr.Constant):  # a tensor constant, or a PrimValue
+            return np.asarray(expr.value.numpy() if hasattr(expr.value, "numpy") else float(expr.value))
+        if isinstance(expr, relax.Var) and expr.name in self.params:
+            return np.asarray(self.params[expr.name])
+        if isinstance(expr, relax.Var) and expr in self.bound and depth < 8:
+            return self._evaluate(self.bound[expr], depth=depth + 1)
+        op = _op(expr)
+        if op in self._NUMPY and depth < 8:
+            return np.asarray(self._NUMPY[op](*[self._evaluate(a, depth=depth + 1) for a in expr.args]))
+        if op in ("relax.astype", "relax.reshape") and depth < 8 and static_shape(expr) is not None:
+            value = self._evaluate(expr.args[0], depth=depth + 1)
+            return value.astype(dtype_of(expr)).reshape(static_shape(expr))
+        raise Refused("a clip bound is not a compile-time value")
 
 
 def _op(value) -> str:
@@ -213,11 +234,19 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
     bindings = [b for block in func.body.blocks for b in block.bindings]
     ep: Optional[_Epilogue] = None
     chain = None
+    pre = _prologue(bindings)
+    if pre is not None:
+        bindings = bindings[3:]
     for b in bindings:
         v = b.value
         op = _op(v)
-        if op == "relax.nn.conv2d":
-            ep = _Epilogue(conv=v, data=arg_of.get(v.args[0], v.args[0]), weight=arg_of.get(v.args[1], v.args[1]))
+        if op == "relax.nn.conv2d" and ep is None:
+            if pre is not None and not v.args[0].same_as(pre[3]):
+                raise Refused("the conv does not read the prologue's result")
+            data = pre[0] if pre is not None else v.args[0]
+            ep = _Epilogue(conv=v, data=arg_of.get(data, data), weight=arg_of.get(v.args[1], v.args[1]))
+            if pre is not None:
+                ep.pre = (arg_of.get(pre[1], pre[1]), arg_of.get(pre[2], pre[2]))
             chain = b.var
             continue
         if ep is None or not isinstance(v, relax.Call) or not any(a.same_as(chain) for a in v.args):
@@ -261,6 +290,25 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
     return ep
 
 
+def _prologue(bindings) -> Optional[tuple]:
+    """(x, s, t, y) when the group starts ``y = relu(x * s + t)`` with per-channel ``s``, ``t``
+    (InlinePrologue's pre-activation BatchNorm + ReLU), else None."""
+    if len(bindings) < 4 or [_op(b.value) for b in bindings[:3]] != ["relax.multiply", "relax.add", "relax.nn.relu"]:
+        return None
+    mul, add, relu = (b.value for b in bindings[:3])
+    x_shape = static_shape(mul.args[0])
+    if x_shape is None or len(x_shape) != 4:
+        return None
+    per_channel = ((1, x_shape[1], 1, 1), (x_shape[1], 1, 1))
+    if static_shape(mul.args[1]) not in per_channel or static_shape(mul.args[0]) != static_shape(bindings[0].var):
+        return None
+    if not add.args[0].same_as(bindings[0].var) or static_shape(add.args[1]) not in per_channel:
+        return None
+    if not relu.args[0].same_as(bindings[1].var):
+        return None
+    return mul.args[0], mul.args[1], add.args[1], bindings[2].var
+
+
 def _value(func: relax.Function, var) -> Optional[relax.Expr]:
     for block in func.body.blocks:
         for b in block.bindings:
@@ -290,7 +338,7 @@ class _Rewriter(relax.PyExprMutator):
         if isinstance(call.op, relax.GlobalVar):
             callee = self.mod_[call.op]
             attrs = callee.attrs
-            if attrs is not None and str(attrs.get("Composite", "")).startswith(PREFIX):
+            if attrs is not None and str(attrs.get("Composite", "")).startswith((PREFIX, PROLOGUE_PREFIX)):
                 new = self._replace(call.op.name_hint, call, lambda: parse_group(callee, call.args, self.chooser))
         elif _op(call) == "relax.nn.conv2d":
             self.bare += 1
@@ -315,6 +363,9 @@ class _Rewriter(relax.PyExprMutator):
         else:
             bias = relax.const(np.zeros([o], "float32"))
         args = [self.visit_expr(ep.data), self.visit_expr(ep.weight), bias]
+        if ep.pre is not None:  # conv2d_pre(x, s, t, W, b, attrs)
+            c = static_shape(ep.data)[1]
+            args[1:1] = [relax.op.reshape(self.visit_expr(e), [c]) for e in ep.pre]
         if ep.residual is not None:
             args.append(self.visit_expr(ep.residual))
         args.append(relax.ShapeExpr(attrs))
@@ -324,7 +375,7 @@ class _Rewriter(relax.PyExprMutator):
 # ---------------------------------------------------------------------- data movement and layouts
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
 BLOCK = 16  # nChw16c
-_CONVS = (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_add"])
+_CONVS = tuple(onednn.FUNCTIONS.values())
 
 
 def _onednn_call(value) -> Optional[tuple[str, list]]:
@@ -365,7 +416,7 @@ def merge_splits(func: relax.Function) -> relax.Function:
             continue
         x = v.args[0]
         found = _onednn_call(values.get(x))
-        if found is None or found[0] != onednn.FUNCTIONS["conv2d"] or uses.get(x) != 1:
+        if found is None or found[0] not in (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_pre"]) or uses.get(x) != 1:
             continue
         name, args = found
         if int(args[-1].values[8]) != 1 or static_shape(x) is None or len(static_shape(x)) != 4:
@@ -542,6 +593,10 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     for v in list(classes.parent) + list(producer):
         members.setdefault(classes.find(v), set()).add(v)
     blocked = {v for root, vs in members.items() if all(can_block(m) for m in vs) for v in vs}
+    for vs in members.values():
+        plain = [m.name for m in vs if not can_block(m)]
+        if plain and len(plain) < len(vs):
+            log.debug("plain layout for %d tensors because of %s", len(vs), ", ".join(sorted(plain)[:4]))
 
     # A plain tensor that several oneDNN convs read: reordered once (to_blocked), not in each.
     data_readers: dict = {}
@@ -591,8 +646,9 @@ def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
         if src or dst:  # the kernel oneDNN picks for these layouts
             attrs = [int(x) for x in args[-1].values]
             attrs[10], attrs[11] = src, dst
+            weight = args[3] if name == onednn.FUNCTIONS["conv2d_pre"] else args[1]
             c.kernel = onednn.implementation(
-                static_shape(args[0]), static_shape(args[1]), attrs, residual=name == onednn.FUNCTIONS["conv2d_add"]
+                static_shape(args[0]), static_shape(weight), attrs, residual=name == onednn.FUNCTIONS["conv2d_add"]
             )
 
 
