@@ -70,10 +70,12 @@ def kind_of(symbol: str) -> str:
     s = symbol.lower()
     if "concat" in s:  # TVM's concatenate kernels and layerfuse.onednn.concat
         return "concat"
+    if "pool" in s:  # TVM's pools and layerfuse.onednn.pool2d
+        return "pool"
+    if any(k in s for k in ("transpose", "layout", "reshape", "permute", "to_blocked")):
+        return "layout"
     if "onednn" in s or "conv" in s:
         return "conv"
-    if "pool" in s:
-        return "pool"
     if any(k in s for k in ("transpose", "layout", "reshape", "permute")):
         return "layout"
     if s.startswith("vm.builtin") or "alloc" in s:
@@ -181,8 +183,8 @@ def report(results, args) -> None:
             v = r["samples"].get(s)
             return f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]" if v else "-"
 
-        used = sum(c.tactic == "onednn" for c in r["tactics"])
-        convs = sum(c.tactic in ("onednn", "tvm") for c in r["tactics"])
+        convs = [c for c in r["tactics"] if c.tactic in ("onednn", "tvm") and not c.layer.startswith("pool:")]
+        used, convs = sum(c.tactic == "onednn" for c in convs), len(convs)
         print(
             f"| {r['name']} | {cell('tvm-default')} | {cell('layerfuse')} | {cell('fusion-off')} | {cell('onnxruntime')} "
             f"| {med['layerfuse'] / med['onnxruntime']:.3f} | {med['fusion-off'] / med['layerfuse']:.3f} "

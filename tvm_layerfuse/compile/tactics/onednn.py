@@ -41,6 +41,7 @@ FUNCTIONS = {
 }
 TO_BLOCKED = "layerfuse.onednn.to_blocked"
 CONCAT = "layerfuse.onednn.concat"
+CONCAT_CONVS = "layerfuse.onednn.concat_convs"
 POOL = "layerfuse.onednn.pool2d"
 POOL_ALGORITHMS = {"max": 0, "avg_include_pad": 1, "avg": 2}
 

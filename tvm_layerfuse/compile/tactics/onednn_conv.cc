@@ -38,6 +38,8 @@
 //   layerfuse.onednn.concat      (x_1, ..., x_k, out)   channel concat: per image, piece i is
 //       the contiguous range [c_i * H * W, (c_i + C_i) * H * W) of out - in NCHW, and in
 //       nChw16c too when every c_i and C_i is a multiple of 16 (all pieces in one layout)
+//   layerfuse.onednn.concat_convs (spec, a_1, ..., a_m, out)   a concat (batch 1) whose pieces
+//       are convs (and copies) writing their channel ranges of out directly (see ConcatConvs)
 //   layerfuse.onednn.pool2d      (x, attrs, out)
 //       attrs = (alg, kh, kw, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right,
 //       blocked); alg: 0 max, 1 average counting the padding, 2 average over the input
@@ -225,15 +227,25 @@ Layer& Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs,
   return ref;
 }
 
+// A destination: a whole output tensor, or the channel range of a concat block it fills.
+struct View {
+  float* data;
+  dims shape;  // [N, O, OH, OW]
+  int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
+};
+
+View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
+
 // One conv (rows of a merged one, or all of it) from x into out, with the mutex held.
+// r: the residual (out's shape), or null.
 void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& at, const Shape& attrs,
-             const TensorView* r, const TensorView& out, bool dst_blocked) {
+             const float* r, const View& out, bool dst_blocked) {
   Layer& layer = Get(x_dims, rows, at, attrs, r != nullptr, dst_blocked);
   for (int i = 0; i < 4; ++i) {
-    if (out.shape()[i] != layer.pd.dst_desc().dims()[i] || (r && r->shape()[i] != out.shape()[i]))
+    if (out.shape[i] != layer.pd.dst_desc().dims()[i])
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
   }
-  float* dst_ptr = const_cast<float*>(Data(out));
+  float* dst_ptr = out.data;
   dnnl::stream s(Engine());
   dnnl::memory src, dst;
   if (layer.src_reorder) {
@@ -246,12 +258,12 @@ void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& 
   if (layer.dst_reorder) {
     dst = layer.dst_buf;
     if (r) {  // the residual, in the primitive's layout, for the sum post-op
-      dnnl::memory user(layer.dst_plain, Engine(), const_cast<float*>(Data(*r)));
+      dnnl::memory user(layer.dst_plain, Engine(), const_cast<float*>(r));
       layer.dst_in.execute(s, user, dst);
     }
   } else {
     dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
-    if (r && Data(*r) != dst_ptr) std::memcpy(dst_ptr, Data(*r), sizeof(float) * out.numel());
+    if (r && r != dst_ptr) std::memcpy(dst_ptr, r, sizeof(float) * out.numel());
   }
   dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(rows.b));
   layer.prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, layer.weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
@@ -306,8 +318,9 @@ const float* RunPre(const TensorView& x, const TensorView& sc, const TensorView&
   return static_cast<const float*>(pre.buf.get_data_handle());
 }
 
-void Run(const TensorView& x, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
-         const std::vector<TensorView>& outs, const TensorView* sc = nullptr, const TensorView* sh = nullptr) {
+// The conv of one call (mutex held): x, w, b [, r] [, prologue s, t] into the views outs.
+void RunLocked(const TensorView& x, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
+               const std::vector<View>& outs, const TensorView* sc, const TensorView* sh) {
   CheckTensor(x, 4, "input");
   CheckTensor(w, 4, "weight");
   CheckTensor(b, 1, "bias");
@@ -319,21 +332,31 @@ void Run(const TensorView& x, const TensorView& w, const TensorView& b, const Te
   if (b.shape()[0] != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
   const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];  // weights per output channel
   int64_t o = 0;  // output channels done
+  const float* xdata = sc ? RunPre(x, *sc, *sh, at.src_blocked) : Data(x);
+  for (size_t j = 0; j < outs.size(); ++j) {
+    const int64_t Oj = outs[j].shape[1];
+    if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
+    if (r && outs[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
+    Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
+    RunRows(xdata, Dims(x.shape().data(), 4), rows, at, attrs, r ? Data(*r) : nullptr, outs[j], (at.dst_blocked >> j) & 1);
+    o += Oj;
+  }
+  if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];
+}
+
+void Run(const TensorView& x, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
+         const std::vector<TensorView>& outs, const TensorView* sc = nullptr, const TensorView* sh = nullptr) {
+  std::vector<View> views;
+  for (const auto& t : outs) {
+    CheckTensor(t, 4, "output");
+    views.push_back(ViewOf(t));
+  }
   try {
     std::lock_guard<std::mutex> lock(Mutex());
-    const float* xdata = sc ? RunPre(x, *sc, *sh, at.src_blocked) : Data(x);
-    for (size_t j = 0; j < outs.size(); ++j) {
-      CheckTensor(outs[j], 4, "output");
-      const int64_t Oj = outs[j].shape()[1];
-      if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
-      Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
-      RunRows(xdata, Dims(x.shape().data(), 4), rows, at, attrs, r, outs[j], (at.dst_blocked >> j) & 1);
-      o += Oj;
-    }
+    RunLocked(x, w, b, r, attrs, views, sc, sh);
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
-  if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];
 }
 
 // conv2d(x, w, b, attrs, out_1, ..., out_k)
@@ -359,6 +382,57 @@ void Conv2dPre(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   CheckTensor(sh, 1, "prologue shift");
   Run(args[0].cast<TensorView>(), args[3].cast<TensorView>(), args[4].cast<TensorView>(), nullptr,
       args[5].cast<Shape>(), outs, &sc, &sh);
+}
+
+// concat_convs(spec, a_1, ..., a_m, out): a channel concat whose pieces are made in place.
+// spec = (blocked, kind_1, offset_1, ..., kind_k, offset_k); member j writes the channels
+// [offset_j, offset_j + C_j) of out (batch 1: a contiguous range of out, in NCHW and - with
+// offsets and C_j multiples of 16 - in nChw16c) and takes its arguments from a_*: kind 0 copy
+// (x), 1 conv2d (x, w, b, attrs), 2 conv2d_pre (x, s, t, w, b, attrs), 3 conv2d_add (x, w, b,
+// r, attrs), as the functions above (a conv's dst_blocked bit says out's layout).
+void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
+  if (args.size() < 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: expected (spec, args..., out)";
+  const Shape spec = args[0].cast<Shape>();
+  TensorView out = args[args.size() - 1].cast<TensorView>();
+  CheckTensor(out, 4, "output");
+  const int64_t C = out.shape()[1], H = out.shape()[2], W = out.shape()[3];
+  if (out.shape()[0] != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: batch must be 1";
+  if (spec.size() < 1 || spec.size() % 2 != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: bad spec";
+  const bool blocked = spec[0] != 0;
+  float* base = const_cast<float*>(Data(out));
+  static const int kArgs[] = {1, 4, 6, 5};
+  int a = 1;  // next argument
+  try {
+    std::lock_guard<std::mutex> lock(Mutex());
+    for (size_t m = 1; m + 1 < spec.size(); m += 2) {
+      const int64_t kind = spec[m], offset = spec[m + 1];
+      if (kind < 0 || kind > 3 || a + kArgs[kind] > args.size() - 1)
+        TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: spec does not match the arguments";
+      auto t = [&](int i) { return args[a + i].cast<TensorView>(); };
+      const int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? 3 : 1).shape()[0];
+      if (offset < 0 || offset + Cj > C || (blocked && (offset % 16 || Cj % 16)))
+        TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: piece does not fit the output";
+      View view{base + offset * H * W, dims{1, Cj, H, W}};
+      if (kind == 0) {
+        TensorView x = t(0);
+        CheckTensor(x, 4, "input");
+        if (x.numel() != view.numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: copy shape mismatch";
+        std::memcpy(view.data, Data(x), sizeof(float) * x.numel());
+      } else if (kind == 1) {
+        RunLocked(t(0), t(1), t(2), nullptr, args[a + 3].cast<Shape>(), {view}, nullptr, nullptr);
+      } else if (kind == 2) {
+        TensorView sc = t(1), sh = t(2);
+        RunLocked(t(0), t(3), t(4), nullptr, args[a + 5].cast<Shape>(), {view}, &sc, &sh);
+      } else {
+        TensorView r = t(3);
+        RunLocked(t(0), t(1), t(2), &r, args[a + 4].cast<Shape>(), {view}, nullptr, nullptr);
+      }
+      a += kArgs[kind];
+    }
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+  if (a != args.size() - 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: unused arguments";
 }
 
 // out = pool(x): max or average, in nChw16c or NCHW (see the header).
@@ -501,6 +575,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   using tvm::ffi::Function;
   Function::SetGlobal("layerfuse.onednn.conv2d", Function::FromPacked(layerfuse_onednn::Conv2d), true);
   Function::SetGlobal("layerfuse.onednn.conv2d_pre", Function::FromPacked(layerfuse_onednn::Conv2dPre), true);
+  Function::SetGlobal("layerfuse.onednn.concat_convs", Function::FromPacked(layerfuse_onednn::ConcatConvs), true);
   Function::SetGlobal("layerfuse.onednn.pool2d", Function::FromTyped(layerfuse_onednn::Pool2d), true);
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),
                       true);

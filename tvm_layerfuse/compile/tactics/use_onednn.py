@@ -149,6 +149,10 @@ class UseOneDNNConv:
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
                 mod[gv] = assign_layouts(pools_and_concats(func, self.layers), self.layers)
+        for gv, func in relax_functions(mod):
+            if not is_primitive(func):
+                mod[gv] = concats_in_place(func, self.layers)
+        mod = relax.transform.DeadCodeElimination()(mod)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
         return mod
@@ -680,3 +684,167 @@ class _SetLayouts(relax.PyExprMutator):
                 self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_nChw16c")
             args[0] = self.blocked_copy[x]
         return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
+
+
+# ---------------------------------------------------------------------- concatenation in place
+_KINDS = {onednn.FUNCTIONS["conv2d"]: 1, onednn.FUNCTIONS["conv2d_pre"]: 2, onednn.FUNCTIONS["conv2d_add"]: 3}
+_WEIGHT_AT = {1: 1, 2: 3, 3: 1}  # where the weight is among a conv call's arguments
+
+
+def _bound_constant(expr, values: dict) -> Optional[np.ndarray]:
+    """The value of a constant, or of a variable bound to ``reshape(constant)`` (a bias)."""
+    if isinstance(expr, relax.Var) and expr in values and _op(values[expr]) == "relax.reshape":
+        inner = _bound_constant(values[expr].args[0], values)
+        return None if inner is None else inner.reshape(static_shape(values[expr]))
+    if isinstance(expr, tvm.ir.expr.Constant) and hasattr(expr.value, "numpy"):
+        return expr.value.numpy()
+    return None
+
+
+def _rows(expr, ranges: list, values: dict) -> relax.Expr:
+    """Rows ``ranges`` ([(lo, hi)...], axis 0) of a weight or bias: sliced now when it is a
+    constant, else as weight-only Relax ops (computed at compile time by LiftTransformParams)."""
+    value = _bound_constant(expr, values)
+    if value is not None:
+        return relax.const(np.concatenate([value[lo:hi] for lo, hi in ranges]), "float32")
+    parts = [relax.op.strided_slice(expr, axes=[0], begin=[lo], end=[hi]) for lo, hi in ranges]
+    return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=0)
+
+
+def concats_in_place(func: relax.Function, layers: list) -> relax.Function:
+    """``layerfuse.onednn.concat`` (batch 1) whose pieces oneDNN convs make, read by nothing
+    else -> ``layerfuse.onednn.concat_convs``: each conv writes its channel range of the block
+    (a contiguous range, see the module doc), other pieces are copied in; a piece of a merged
+    conv leaves that call (its weight and bias rows move to the block's call)."""
+    bindings = _bindings(func)
+    values = {b.var: b.value for b in bindings}
+    uses = _uses(func)
+    calls = {b.var: _onednn_call(b.value) for b in bindings if _onednn_call(b.value) is not None}
+    plans = {}  # concat call -> (spec, member arguments)
+    taken: dict = {}  # merged conv var -> {piece index absorbed}
+    for b in bindings:
+        found = calls.get(b.var)
+        shape = static_shape(b.var)
+        if found is None or found[0] != onednn.CONCAT or shape is None or shape[0] != 1:
+            continue
+        members, offset, blocked, pieces = [], 0, set(), []
+        for x in found[1]:
+            member = _member(x, values, calls, uses)
+            if member is None or (member[3] is not None and member[3] in pieces):
+                members.append((0, offset, [x]))  # copied (also a piece read twice by this concat)
+            else:
+                kind, args, dst_blocked, piece = member
+                blocked.add(dst_blocked)
+                members.append((kind, offset, args))
+                if piece is not None:
+                    pieces.append(piece)
+            offset += static_shape(x)[1]
+        if len(blocked) != 1:
+            continue  # no conv member (nothing to gain), or (never) mixed layouts
+        for v, j in pieces:
+            taken.setdefault(v, set()).add(j)
+        spec = [blocked.pop()]
+        for kind, off, _ in members:
+            spec += [kind, off]
+        plans[b.value] = (spec, [a for _, _, args in members for a in args])
+        convs = sum(kind != 0 for kind, _, _ in members)
+        for c in layers:
+            if c.layer == f"concat:{b.var.name}":
+                c.tactic, c.kernel = "in-place", f"{convs} convs write their channels, {len(members) - convs} copied"
+    shrink = {}  # merged conv -> the pieces it keeps (the others are made by a block's call)
+    for v, pieces in taken.items():
+        name, args = calls[v]
+        out_types = list(v.ty.fields)
+        keep = [j for j in range(len(out_types)) if j not in pieces]
+        shrink[v] = (keep, _merged_rows(name, args, out_types, keep, values))
+    if not plans:
+        return func
+    return _InPlace(plans, shrink, values).visit_expr(func)
+
+
+def _member(x, values: dict, calls: dict, uses: dict):
+    """(kind, call arguments, dst blocked, (merged var, piece) or None) of a concat piece a
+    oneDNN conv makes for this concat alone, else None (the piece is copied)."""
+    if not isinstance(x, relax.Var) or uses.get(x) != 1:
+        return None
+    if x in calls:  # a conv with one output
+        name, args = calls[x]
+        if name not in _KINDS or isinstance(x.ty, relax.TupleType):
+            return None
+        attrs = [int(a) for a in args[-1].values]
+        return _KINDS[name], args, attrs[11] & 1, None
+    value = values.get(x)
+    if isinstance(value, relax.TupleGetItem) and value.tuple_value in calls:
+        v, j = value.tuple_value, int(value.index)
+        name, args = calls[v]
+        if name not in _KINDS or name == onednn.FUNCTIONS["conv2d_add"]:
+            return None
+        kind = _KINDS[name]
+        lo = sum(static_shape_of(t)[1] for t in list(v.ty.fields)[:j])
+        hi = lo + static_shape_of(v.ty.fields[j])[1]
+        attrs = [int(a) for a in args[-1].values]
+        blocked = (attrs[11] >> j) & 1
+        attrs[11] = blocked
+        w_at = _WEIGHT_AT[kind]
+        member = list(args)
+        member[w_at] = _rows(args[w_at], [(lo, hi)], values)
+        member[w_at + 1] = _rows(args[w_at + 1], [(lo, hi)], values)
+        member[-1] = relax.ShapeExpr(attrs)
+        return kind, member, blocked, (v, j)
+    return None
+
+
+def static_shape_of(ty) -> tuple[int, ...]:
+    return tuple(int(d) for d in ty.shape.values)
+
+
+def _merged_rows(name: str, args: list, out_types: list, keep: list, values: dict):
+    """(function name, arguments, output types) of a merged conv left with pieces ``keep``, or None."""
+    if not keep:
+        return None
+    bounds, lo = [], 0
+    for t in out_types:
+        bounds.append((lo, lo + static_shape_of(t)[1]))
+        lo += static_shape_of(t)[1]
+    ranges = [bounds[j] for j in keep]
+    w_at = _WEIGHT_AT[_KINDS[name]]
+    new = list(args)
+    new[w_at] = _rows(args[w_at], ranges, values)
+    new[w_at + 1] = _rows(args[w_at + 1], ranges, values)
+    attrs = [int(a) for a in args[-1].values]
+    attrs[11] = sum(((attrs[11] >> j) & 1) << k for k, j in enumerate(keep))
+    new[-1] = relax.ShapeExpr(attrs)
+    return name, new, [out_types[j] for j in keep]
+
+
+@relax.expr_functor.mutator
+class _InPlace(relax.PyExprMutator):
+    def __init__(self, plans: dict, shrink: dict, values: dict) -> None:
+        super().__init__()
+        self.plans = plans
+        self.shrink = shrink  # merged conv var -> (kept pieces, new call parts or None)
+        self.calls = {values[v]: v for v in shrink}
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        plan = self.plans.get(call)
+        if plan is not None:
+            spec, args = plan
+            args = [relax.ShapeExpr(spec)] + [self.visit_expr(a) for a in args]
+            return relax.call_dps_packed(onednn.CONCAT_CONVS, args, relax.TensorType(list(static_shape(call)), "float32"))
+        v = self.calls.get(call)
+        if v is not None and self.shrink[v][1] is not None:
+            name, args, out_types = self.shrink[v][1]
+            out = out_types if len(out_types) > 1 else out_types[0]  # one piece left: a plain tensor
+            return relax.call_dps_packed(name, [self.visit_expr(a) for a in args], out)
+        return super().visit_call_(call)
+
+    def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:
+        old = op.tuple_value
+        if old in self.shrink:
+            keep, parts = self.shrink[old]
+            if parts is not None and len(keep) == 1:
+                return self.visit_expr(old)  # the one piece left is the call's result (absorbed ones: dead)
+            if int(op.index) in keep:
+                return relax.TupleGetItem(self.visit_expr(old), keep.index(int(op.index)))
+            return relax.TupleGetItem(self.visit_expr(old), 0)  # an absorbed piece: no reader left (DCE)
+        return super().visit_tuple_getitem_(op)
