@@ -8,11 +8,12 @@ import json
 from collections import Counter
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 from test_compile_e2e import compile_run_compare
 
 from tvm_layerfuse.compile.report import compare
 from tvm_layerfuse.compile.tactics import onednn
-from tvm_layerfuse.testing import zoo
+from tvm_layerfuse.testing import cnn_graphs, zoo
 
 MISSING = onednn.availability()
 needs_onednn = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
@@ -118,3 +119,14 @@ def test_every_conv_layer_of_the_compiled_model_runs_on_onednn(name, build, tmp_
         assert any(c["layout"].startswith("nChw16c>") for c in pre), pre  # the block's concat read blocked
     launches = manifest["fusion"]["kernels"]["kernels"]
     assert launches <= compare(model)["default"]["kernels"]
+
+
+@needs_onednn
+@settings(max_examples=8, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(cnn_graphs(max_layers=8, max_channels=64, batch=1, blocks=("parallel", "concat", "residual")))
+def test_differential_fuzzing_of_branchy_graphs_with_the_tactic(case):
+    """Merged convs, concats (in place at batch 1) and residuals, on oneDNN, against onnxruntime."""
+    from tvm_layerfuse.testing.differential import check_case
+
+    res = check_case(case.model, case.feeds, stages=("unfused", "tactics"))
+    assert res.findings == [], "\n".join(f"{f.kind}: {f.detail}" for f in res.findings)
