@@ -56,7 +56,6 @@ class HostLibrary:
     functions: tuple[HostFunction, ...]
     target: dict[str, Any]
     machine: str
-    consts: dict[str, np.ndarray]  # constants the import added (scalars of Clip ...), keyed like host.npz
 
     def manifest(self, file: str) -> dict[str, Any]:
         return {"file": file, "target": self.target, "machine": self.machine, "functions": [f.function for f in self.functions]}
@@ -244,7 +243,6 @@ def build_host_library(
     from ..relax.importer import import_onnx
 
     functions: list[HostFunction] = []
-    extra: dict[str, np.ndarray] = {}
     module: dict[Any, Any] = {}
     for k, op in enumerate(o for o in ops if o["kind"] == "host"):
         fname = f"host_{k}"
@@ -256,21 +254,19 @@ def build_host_library(
                 f"host op {op['name']!r} of the VTA network cannot be compiled by TVM ({first_line(e, last=True)}); "
                 "expected ops TVM's ONNX importer takes - use the cpu target for this model"
             ) from None
-        main = mod["main"]
         others = [gv.name_hint for gv in mod.get_global_vars() if gv.name_hint != "main"]
         if others:  # names would collide across host ops in one module
             raise BuildError(
                 f"host op {op['name']!r} imported with helper functions {others}; expected plain Relax ops - report this model"
             )
-        num_input = int(main.attrs["num_input"])
-        keys = []
-        for var in main.params[num_input:]:
-            key = weight_keys.get(var.name)
-            if key is None:  # a constant the importer lifted into a parameter (Clip's bounds ...)
-                key = f"{fname}::{var.name}"
-                extra[key] = params[var.name]
-            keys.append(key)
-        module[fname] = main.with_attr("global_symbol", fname)
+        # constants the importer lifted into parameters (Clip's bounds, LRN's zero padding) go back in
+        lifted = {name: value for name, value in params.items() if name not in weight_keys}
+        if lifted:
+            mod = relax.transform.BindParams("main", lifted)(mod)
+        main = mod["main"]
+        num_input = len(op["reads"])
+        keys = [weight_keys[var.name] for var in main.params[num_input:]]
+        module[fname] = main.with_attr("global_symbol", fname).with_attr("num_input", num_input)
         functions.append(HostFunction(op["name"], fname, tuple(op["reads"]), tuple(op["writes"]), tuple(keys)))
     ir = tvm.IRModule({tvm.ir.GlobalVar(name): f for name, f in module.items()})
     target = dict(spec.host or spec.target)  # the CPU beside the VTA
@@ -282,13 +278,13 @@ def build_host_library(
         raise BuildError(f"TVM could not build the VTA host steps for {spec.preset}: {first_line(e, last=True)}") from None
     export_library(ex, Path(out_dir) / file, spec)
     log.info("VTA host steps: %d functions compiled for %s", len(functions), spec.preset)
-    return HostLibrary(Path(out_dir) / file, tuple(functions), target, machine, extra)
+    return HostLibrary(Path(out_dir) / file, tuple(functions), target, machine)
 
 
 def attach(module: Any, lib: HostLibrary, *, file: str) -> None:
     """Make ``module`` (a :class:`tvm_layerfuse.vta.runtime.VTAModule` about to be written)
     name the library: ``host_library`` in its manifest, ``function`` and ``params`` on each
-    host op, the constants the import added in its host.npz."""
+    host op."""
     by_op = {f.op: f for f in lib.functions}
     ops = []
     for op in module.manifest["ops"]:
@@ -297,4 +293,3 @@ def attach(module: Any, lib: HostLibrary, *, file: str) -> None:
             op = {**op, "function": f.function, "params": list(f.params)}
         ops.append(op)
     module.manifest = {**module.manifest, "ops": ops, "host_library": lib.manifest(file)}
-    module.consts.update(lib.consts)
