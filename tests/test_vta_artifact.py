@@ -1,6 +1,7 @@
 """The VTA artifact: compile to a directory, load it with the runtime only, run it, refuse bad ones."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,18 +41,49 @@ def test_loaded_artifact_matches_the_int8_reference(artifact):
     assert "host  conv" in text and "3 input channels" in text and "in place" in text and "dram_nbytes" in text
 
 
-def test_runtime_side_imports_neither_onnx_nor_tvm(artifact):
-    art, _, _ = artifact
+def test_runtime_side_runs_the_host_library_with_tvms_runtime_only(artifact):
+    """The host ops run in host.so through TVM's runtime library alone: no onnx, no tvm.relax,
+    no compiler library in the process."""
+    art, _, b = artifact
+    feeds = random_samples(b.graph, 1, seed=6)[0]
+    np.save(art.parent / "x.npy", feeds["input"])
     code = (
-        "import sys, numpy as np\n"
+        "import json, sys, numpy as np\n"
         "from tvm_layerfuse.vta.runtime import load_vta\n"
         f"m = load_vta({str(art)!r})\n"
-        "m.run({'input': np.zeros((1, 3, 32, 32), np.float32)})\n"
-        "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('onnx', 'tvm', 'onnxruntime'))\n"
-        "print(bad)\n"
+        f"y = m.run({{'input': np.load({str(art.parent / 'x.npy')!r})}}).outputs['output']\n"
+        f"np.save({str(art.parent / 'y.npy')!r}, y)\n"
+        "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('onnx', 'onnxruntime') or k.startswith('tvm.relax'))\n"
+        "print(json.dumps({'bad': bad, 'host_steps': m.host_steps is not None, 'tvm_runtime': 'tvm.runtime' in sys.modules,\n"
+        "                  'compiler': 'libtvm_compiler' in open('/proc/self/maps').read()}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert json.loads(out.stdout) == {"bad": [], "host_steps": True, "tvm_runtime": True, "compiler": False}, out.stdout + out.stderr
+    np.testing.assert_array_equal(np.load(art.parent / "y.npy"), reference(b.graph, b.quantization, feeds)["output"])
+
+
+def test_artifact_lists_and_needs_its_host_library(artifact, tmp_path):
+    """vta.json names host.so (one function per host op) with its checksum; without it the
+    artifact does not load, in one line, whichever loader is used."""
+    import shutil
+
+    from tvm_layerfuse import runtime
+
+    art, _, _ = artifact
+    vta = json.loads((art / "vta.json").read_text())
+    host_ops = [op for op in vta["ops"] if op["kind"] == "host"]
+    assert vta["host_library"]["file"] == "host.so" and vta["host_library"]["functions"] == [op["function"] for op in host_ops]
+    assert "host.so" in vta["sha256"] and "host.so" in json.loads((art / "manifest.json").read_text())["files"]
+    bad = tmp_path / "nolib"
+    shutil.copytree(art, bad)
+    (bad / "host.so").unlink()
+    with pytest.raises(ArtifactError, match=r"host.so' is missing or does not match its checksum in vta.json") as e:
+        load_vta(bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ArtifactError, match=r"lacks 'host.so'; expected it beside manifest.json") as e:
+        runtime.load(bad)
+    assert "\n" not in str(e.value)
 
 
 def test_no_board_is_a_clear_error(artifact):

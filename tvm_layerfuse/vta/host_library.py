@@ -117,8 +117,13 @@ def host_onnx(
     opset: int,
     name: str = "host",
 ) -> tuple[onnx.ModelProto, dict[str, str]]:
-    """The float64 ONNX model of one host op's steps, and ``{initializer: host.npz key}``."""
+    """The float64 ONNX model of one host op's steps (inputs ``in0..`` = ``reads``, outputs
+    ``out0..`` = ``writes``), and ``{initializer: host.npz key}``."""
     g = _Onnx(consts, prefix="h_")
+    # the op's tensors under plain names (the function's parameters are positional; TVM's
+    # importer would rename "/conv1/Relu_output_0" with a warning)
+    inputs = {r: f"in{k}" for k, r in enumerate(reads)}
+    g.current.update(inputs)
     for st in steps:
         op = st["op"]
         if op == "conv":
@@ -146,12 +151,13 @@ def host_onnx(
         else:
             raise BuildError(f"host step {op!r} is unknown; expected conv, add, acts, slice, concat or layer - report this model")
     outputs = []
-    for w in writes:  # each write under its own name
-        g.nodes.append(helper.make_node("Identity", [g.value(w)], [w]))
-        outputs.append(helper.make_tensor_value_info(w, DOUBLE, list(shapes[w])))
+    for k, w in enumerate(writes):
+        g.nodes.append(helper.make_node("Identity", [g.value(w)], [f"out{k}"]))
+        outputs.append(helper.make_tensor_value_info(f"out{k}", DOUBLE, list(shapes[w])))
     graph = helper.make_graph(
-        g.nodes, name, [helper.make_tensor_value_info(r, DOUBLE, list(shapes[r])) for r in reads], outputs, list(g.initializers.values())
-    )
+        g.nodes, name, [helper.make_tensor_value_info(inputs[r], DOUBLE, list(shapes[r])) for r in reads], outputs,
+        list(g.initializers.values()),
+    )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="tvm_layerfuse.vta")
     return model, dict(g.weight_keys)
 
