@@ -62,7 +62,8 @@ OPS = [
         _layer("LeakyRelu", ["bn"], "act", alpha=_f32(0.1))]},
     {"name": "silu", "reads": ["x"], "writes": ["silu"], "steps": [
         _layer("Sigmoid", ["x"], "sig"), _layer("Mul", ["x", "sig"], "silu")]},
-    {"name": "lrn", "reads": ["x"], "writes": ["lrn"], "steps": [_layer("LRN", ["x"], "lrn", size=3, alpha=_f32(1e-2), beta=0.75, bias=_f32(1.3))]},
+    {"name": "lrn", "reads": ["x"], "writes": ["lrn"], "steps": [
+        _layer("LRN", ["x"], "lrn", size=3, alpha=_f32(1e-2), beta=0.75, bias=_f32(1.3))]},
     {"name": "sum_clip_div", "reads": ["x", "act", "silu"], "writes": ["sum", "clip", "div"], "steps": [
         _layer("Sum", ["x", "act", "silu"], "sum"),
         _layer("Clip", ["sum", {"const": "lo"}, {"const": "hi"}], "clip"),
@@ -72,7 +73,8 @@ OPS = [
     {"name": "avgpool", "reads": ["x"], "writes": ["ap"], "steps": [
         _layer("AveragePool", ["x"], "ap", kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1], count_include_pad=0)]},
     {"name": "global", "reads": ["x"], "writes": ["gap", "gmp", "cat"], "steps": [
-        _layer("GlobalAveragePool", ["x"], "gap"), _layer("GlobalMaxPool", ["x"], "gmp"), {"op": "concat", "in": ["gap", "gmp"], "out": "cat"}]},
+        _layer("GlobalAveragePool", ["x"], "gap"), _layer("GlobalMaxPool", ["x"], "gmp"),
+        {"op": "concat", "in": ["gap", "gmp"], "out": "cat"}]},
     {"name": "int8_pools", "reads": ["q"], "writes": ["qmax", "flat"], "steps": [
         _layer("MaxPool", ["q"], "qmax", kernel_shape=[2, 2], strides=[2, 2]), _layer("Flatten", ["qmax"], "flat0", axis=1),
         _layer("Identity", ["flat0"], "flat1"), _layer("Dropout", ["flat1"], "flat")]},

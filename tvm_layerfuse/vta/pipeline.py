@@ -143,9 +143,8 @@ def compile_vta(
     None draws ``n_calibration`` seeded random inputs (with a file: at most
     ``n_calibration`` of its samples are used). ``force``: replace an existing artifact.
     Returns the report (:func:`report`) of the build, baseline included."""
-    from pathlib import Path
-
     import tempfile
+    from pathlib import Path
 
     from ..compile.presets import check_toolchain, resolve
     from ..runtime import artifact
