@@ -119,3 +119,33 @@ def test_wrong_input_shape_is_an_input_error(artifact):
     art, _, _ = artifact
     with pytest.raises(InputError, match="input 'input' has shape \\[1, 3, 16, 16\\]; expected \\[1, 3, 32, 32\\]"):
         load_vta(art).run({"input": np.zeros((1, 3, 16, 16), np.float32)})
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "efficientnet_like",  # SiLU/Sigmoid/Mul epilogues and squeeze-excite, depthwise convs: host layers
+        pytest.param("mobilenet_v2", marks=pytest.mark.slow),  # depthwise convs between VTA convs
+        pytest.param("densenet121", marks=pytest.mark.slow),  # pre-activation BN + ReLU prologues
+    ],
+)
+def test_host_heavy_networks_run_their_host_layers_in_the_library(name, tmp_path):
+    """Networks whose epilogues VTA's ALU has no form for: their host ops compiled into host.so
+    keep every int8 tensor bit-exact with the numpy interpretation of the same host steps
+    (the reference's host part)."""
+    model = zoo.BUILDERS[name](seed=1)
+    pipeline.compile_vta(model, tmp_path / "art", n_calibration=2)
+    mod = load_vta(tmp_path / "art")
+    kinds = {step["op_type"] for op in mod.manifest["ops"] if op["kind"] == "host" for step in op["steps"] if step["op"] == "layer"}
+    assert len(mod.manifest["host_library"]["functions"]) >= 3
+    feeds = {"input": np.random.default_rng(4).standard_normal(mod.inputs["input"]).astype(np.float32)}
+    compiled = mod.run(feeds, trace=True)
+    mod.host_steps = None  # the same artifact with its host steps in numpy
+    numpy_steps = mod.run(feeds, trace=True)
+    assert len(compiled.ints) >= 10 and sorted(compiled.ints) == sorted(numpy_steps.ints)
+    for tensor, value in compiled.ints.items():
+        np.testing.assert_array_equal(value, numpy_steps.ints[tensor], err_msg=tensor)
+    ref = numpy_steps.outputs["output"]
+    np.testing.assert_allclose(compiled.outputs["output"], ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+    if name == "efficientnet_like":
+        assert {"Sigmoid", "Mul", "Conv"} <= kinds, kinds
