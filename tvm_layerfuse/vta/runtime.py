@@ -145,7 +145,9 @@ class HostSteps:
         self._tvm = tvm
         self._dev = tvm.cpu(0)
         self._vm = vm_runtime.VirtualMachine(lib, self._dev)
-        self._params = {k: tvm.runtime.tensor(np.ascontiguousarray(consts[k]), self._dev) for op in ops for k in op.get("params", ())}
+        # the functions' weights: float arrays of host.npz, float64 as the functions take them
+        self._params = {k: tvm.runtime.tensor(np.ascontiguousarray(consts[k], dtype=np.float64), self._dev)
+                        for op in ops for k in op.get("params", ())}  # fmt: skip
 
     def __call__(self, op: Mapping[str, Any], values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         tensor = self._tvm.runtime.tensor
