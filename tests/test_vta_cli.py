@@ -3,8 +3,9 @@
 ``compile --target vta`` with a calibration file, ``run`` on the simulator, ``inspect
 --compile --target vta``, and ``deploy --rpc`` to a real RPC server subprocess with the
 VTA runtime registered (``python -m tvm_layerfuse.vta.rpc_server``, what a board runs),
-plus a plain ``tvm.exec.rpc_server`` that has none. The outputs are compared bit for bit
-with the numpy int8 reference of the same quantized graph.
+directly and through a real ``tvm.exec.rpc_tracker``, plus a plain ``tvm.exec.rpc_server``
+that has none; a board preset that cross-compiles the host steps for aarch64. The outputs
+are compared bit for bit with the numpy int8 reference of the same quantized graph.
 """
 
 from __future__ import annotations
