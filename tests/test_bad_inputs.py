@@ -869,8 +869,18 @@ def test_bad_vta_run_inputs(vta_artifact):
     changed = root / "changed.vta"
     shutil.copytree(vta_artifact, changed)
     (changed / "programs.npz").write_bytes(b"x")
+    nolib = root / "nolib.vta"
+    shutil.copytree(vta_artifact, nolib)
+    (nolib / "host.so").unlink()
+    board_art = root / "board.vta"  # host steps compiled for an aarch64 board
+    shutil.copytree(vta_artifact, board_art)
+    manifest = json.loads((board_art / "manifest.json").read_text())
+    manifest["target"]["machine"] = "aarch64"
+    (board_art / "manifest.json").write_text(json.dumps(manifest))
     np.save(root / "small.npy", np.zeros((1, 3, 8, 8), np.float32))
     cases = {
+        "vta artifact without its host library": ("run nolib.vta", (str(nolib),), "lacks 'host.so'"),
+        "vta artifact with host steps for an aarch64 board": ("run board.vta", (str(board_art),), "compiled for aarch64"),
         "vta artifact run with --device cpu": ("run g.vta --device cpu", (str(vta_artifact), "--device", "cpu"), "compiled for vta"),
         "vta artifact run on a board (no VTA here)": ("run g.vta --device board", (str(vta_artifact), "--device", "board"),
                                                       "no VTA device found"),
@@ -889,9 +899,20 @@ def test_bad_vta_library_inputs(vta_model, vta_artifact, tmp_path):
     from tvm_layerfuse.errors import LayerfuseError
     from tvm_layerfuse.vta import pipeline
     from tvm_layerfuse.vta.config import DEFAULT
-    from tvm_layerfuse.vta.runtime import load_vta, open_device
+    from tvm_layerfuse.vta.runtime import HostSteps, load_vta, open_device
 
+    (tmp_path / "host.so").write_bytes(b"\x7fELF damaged")
+    unlisted = tmp_path / "unlisted.vta"
+    shutil.copytree(vta_artifact, unlisted)
+    vta = json.loads((unlisted / "vta.json").read_text())
+    del vta["host_library"]
+    (unlisted / "vta.json").write_text(json.dumps(vta))
     cases = {
+        "host library that does not load": ("HostSteps(DIR/host.so, ...)",
+                                            lambda: HostSteps(tmp_path / "host.so", {}, [], machine="x86_64")),
+        "vta.json without its host library": ("load_vta(unlisted.vta)", lambda: load_vta(unlisted)),
+        "compile_vta for a non-VTA preset": ("compile_vta(model, DIR, target='cpu')",
+                                             lambda: pipeline.compile_vta(vta_model, tmp_path / "out", target="cpu")),
         "unknown VTA device": ("open_device('fpga', cfg)", lambda: open_device("fpga", DEFAULT)),
         "not a VTA artifact": ("load_vta(DIR)", lambda: load_vta(tmp_path)),
         "calibration input of another shape": ("build(model, calibration=[{'input': 8x8}])",

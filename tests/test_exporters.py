@@ -228,6 +228,13 @@ def test_constant_fill_weights_are_explained_where_the_output_is_printed(tmp_pat
     assert "note: weights are constant fills" in printed and "(1/1000 = 0.0010) - this is expected" in printed
     line = next(l for l in printed.splitlines() if "agrees on these inputs" in l)
     assert float(line.rsplit("relative ", 1)[1]) <= RTOL
+    # --benchmark with --compare: both artifacts timed in interleaved rounds, and their ratio
+    assert cli.main(["run", str(tmp_path / "fused"), "--compare", str(tmp_path / "plain"), "--benchmark", "3"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("latency over"))
+    assert line.startswith("latency over 3 interleaved rounds: median ") and f"{tmp_path / 'plain'}: median " in line, line
+    medians = [float(part.split(" ms", 1)[0]) for part in line.split("median ")[1:]]
+    ratio = float(line.rsplit("= ", 1)[1])
+    assert len(medians) == 2 and min(medians) > 0 and abs(ratio - medians[1] / medians[0]) <= 0.01 * ratio + 0.005, line
 
 
 def test_built_in_googlenet_is_flagged():

@@ -59,3 +59,14 @@ def test_tune_then_compile_applies_the_database(tmp_path, monkeypatch):
     for e, g in zip(run_onnxruntime(model, feeds), load(out).run(feeds).values()):
         assert rel_err(g, e) <= 1e-4
     np.testing.assert_equal(len(records) > 0, True)
+
+
+def test_missing_cost_model_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Without xgboost MetaSchedule fails only after its first round of measurements (minutes
+    in); tune refuses at once, in one line naming the package and the install command."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgboost", None)  # `import xgboost` raises ImportError
+    with pytest.raises(UsageError) as e:
+        tune_model(tmp_path / "unused.onnx")
+    assert "xgboost" in str(e.value) and "pip install xgboost-cpu" in str(e.value) and "\n" not in str(e.value)

@@ -3,14 +3,16 @@
 ``compile --target vta`` with a calibration file, ``run`` on the simulator, ``inspect
 --compile --target vta``, and ``deploy --rpc`` to a real RPC server subprocess with the
 VTA runtime registered (``python -m tvm_layerfuse.vta.rpc_server``, what a board runs),
-plus a plain ``tvm.exec.rpc_server`` that has none. The outputs are compared bit for bit
-with the numpy int8 reference of the same quantized graph.
+directly and through a real ``tvm.exec.rpc_tracker``, plus a plain ``tvm.exec.rpc_server``
+that has none; a board preset that cross-compiles the host steps for aarch64. The outputs
+are compared bit for bit with the numpy int8 reference of the same quantized graph.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +67,7 @@ def test_compile_run_and_load_match_the_int8_reference(compiled):
     assert "layer placement:" in out and "calibrated on 2 input(s)" in out
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["target"]["device"] == "vta" and manifest["library"] == "vta.json"
-    assert sorted(manifest["files"]) == ["dram.bin", "host.npz", "programs.npz", "vta.json"]
+    assert sorted(manifest["files"]) == ["dram.bin", "host.npz", "host.so", "programs.npz", "vta.json"]
     assert [p.name for p in art.parent.iterdir() if p.name.startswith(".g.vta")] == []
 
     proc = cli("run", str(art), "--input", str(tmp / "a.npy"), "--output", str(tmp / "ya.npz"))
@@ -136,3 +138,51 @@ def test_bundle_runs_a_vta_artifact_without_the_repository(compiled, tmp_path):
     assert "VTA counters:" in proc.stdout
     with np.load(tmp_path / "y.npz") as y:
         np.testing.assert_array_equal(y["output"], runtime.load(compiled["art"]).run(compiled["x"]["a"])["output"])
+
+
+def test_deploy_through_a_tracker_to_the_vta_rpc_server(compiled):
+    """``deploy --tracker H:P --key K``: the tracker hands out the VTA board server registered
+    under K (real tracker and server subprocesses); each run is a session of its own."""
+    art, tmp = compiled["art"], compiled["tmp"]
+    with board.start_tracker(port=0) as tracker:
+        with board.start_server(port=0, tracker=tracker.address, key="vta-sim", module="tvm_layerfuse.vta.rpc_server") as server:
+            proc = cli("deploy", str(art), "--tracker", "{}:{}".format(*tracker.address), "--key", "vta-sim", "--input",
+                       str(tmp / "a.npy"), "--output", str(tmp / "yt.npz"), "--repeat", "2", "--timeout", "60", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["device"] == "vta" and result["latency"]["runs"] == 2
+    assert {r["board"] for r in result["runs"]} == {f"127.0.0.1:{server.port}"}
+    rt = runtime.load(art)
+    local = rt.run(compiled["x"]["a"])["output"]
+    assert result["counters"] == rt.counters
+    with np.load(tmp / "yt.npz") as y:
+        np.testing.assert_array_equal(y["output"], local)
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="needs gcc-aarch64-linux-gnu")
+def test_a_board_preset_cross_compiles_the_host_steps(compiled, tmp_path):
+    """A VTA preset for an aarch64 board (its CPU target and cross compiler) gives an aarch64
+    host.so; this x86 machine refuses to load it, and deploy refuses its x86 board before
+    uploading anything - each in one line."""
+    from tvm_layerfuse.deploy.inputs import elf_machine
+
+    preset = tmp_path / "vta-ultra96.json"
+    preset.write_text(json.dumps({
+        "name": "vta-ultra96", "description": "VTA on an Ultra96 (Cortex-A53 host)", "device": "vta", "machine": "aarch64",
+        "target": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}, "cross_compiler": "aarch64-linux-gnu-gcc",
+    }))  # fmt: skip
+    art = tmp_path / "g.ultra96"
+    proc = cli("compile", str(compiled["model"]), "--target", str(preset), "-o", str(art), "--calibration-count", "1", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert elf_machine((art / "host.so").read_bytes()[:20]) == "aarch64"
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["target"]["machine"] == "aarch64" and manifest["target"]["preset"] == "vta-ultra96"
+    proc = cli("run", str(art))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "holds host steps compiled for aarch64, but this machine is x86_64" in lines[0]
+    with board.start_server(port=0, module="tvm_layerfuse.vta.rpc_server") as server:
+        proc = cli("deploy", str(art), "--rpc", f"127.0.0.1:{server.port}", "--timeout", "30")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "compiled for aarch64" in lines[0] and "runs x86_64; nothing was uploaded" in lines[0] and "VTA target preset" in lines[0]

@@ -248,7 +248,7 @@ def _compile_vta(args: argparse.Namespace, model: Path) -> int:
             f"--calibration-count {args.calibration_count} is not positive; expected N >= 1 - give how many inputs to calibrate on, e.g. 8"
         )
     out = Path(args.output) if args.output else Path(f"{model.stem}.vta")
-    rep = compile_vta(model, out, force=args.force, on_commit=args.interrupts.done, **_vta_options(args))
+    rep = compile_vta(model, out, force=args.force, on_commit=args.interrupts.done, target=args.target, **_vta_options(args))
     say(args, f"wrote artifact {out}")
     if not args.quiet:
         print(format_report(rep))

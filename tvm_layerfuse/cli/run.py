@@ -25,7 +25,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=5, help="classes shown per sample for classifier outputs")
     p.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN, metavar=("R", "G", "B"))
     p.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD, metavar=("R", "G", "B"))
-    p.add_argument("--benchmark", type=int, default=0, metavar="N", help="also time N runs (median/min/max)")
+    p.add_argument(
+        "--benchmark",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N runs (median/min/max); with --compare, N interleaved rounds of both artifacts and their ratio",
+    )
     p.add_argument(
         "--compare",
         metavar="ARTIFACT",
@@ -49,15 +55,36 @@ def run_artifact(args: argparse.Namespace, artifact_dir: Path, *, say=print) -> 
     counters = getattr(rt, "counters", None)  # a VTA artifact: the accelerator's profiling counters
     if counters:
         print("VTA counters: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
-    if getattr(args, "compare", None):
-        print(compare_text(outputs, load(Path(args.compare), device=args.device).run(inputs), other=args.compare))
+    other = load(Path(args.compare), device=args.device) if getattr(args, "compare", None) else None
+    if other is not None:
+        print(compare_text(outputs, other.run(inputs), other=args.compare))
     for note in rt.manifest.get("model", {}).get("notes", []):
         if note.startswith("weights are constant fills"):  # explains a flat top-5 where it is printed
             print(f"note: {note}")
-    if args.benchmark:
+    if args.benchmark and other is not None:
+        print(benchmark_pair_text(rt, other, inputs, rounds=args.benchmark, other=args.compare))
+    elif args.benchmark:
         t = rt.benchmark(inputs, repeat=args.benchmark)
         print(f"latency over {t['repeat']} runs: median {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}, max {t['max_ms']:.3f})")
     return 0
+
+
+def benchmark_pair_text(rt, other_rt, inputs: dict, *, rounds: int, other: str) -> str:
+    """Both artifacts timed in one process on the same inputs, one run of each per round
+    (interleaved, so a change in the machine's load reaches both sides alike): medians,
+    spreads and the ratio."""
+    import statistics
+
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(rounds):
+        ours.append(rt.benchmark(inputs, repeat=1)["median_ms"])
+        theirs.append(other_rt.benchmark(inputs, repeat=1)["median_ms"])
+    a, b = statistics.median(ours), statistics.median(theirs)
+    return (
+        f"latency over {rounds} interleaved rounds: median {a:.3f} ms (min {min(ours):.3f}, max {max(ours):.3f}); "
+        f"{other}: median {b:.3f} ms (min {min(theirs):.3f}, max {max(theirs):.3f}); {other} / this = {b / a:.2f}"
+    )
 
 
 def compare_text(outputs: dict, others: dict, *, other: str) -> str:

@@ -94,7 +94,7 @@ def compile_model(
             # process on an I/O error (RLIMIT_FSIZE, ...), which must not leave a half-written
             # directory beside OUT. Only plain Python writes go into the artifact's own.
             library = Path(private) / artifact.LIBRARY
-            _export(ex, library, spec)
+            export_library(ex, library, spec)
 
             def fill(tmp: Path) -> dict[str, Any]:
                 shutil.copyfile(library, tmp / artifact.LIBRARY)
@@ -213,7 +213,9 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
         ) from None
 
 
-def _export(ex, path: Path, spec: TargetSpec) -> None:
+def export_library(ex, path: Path, spec: TargetSpec) -> None:
+    """Write the executable as a shared library for ``spec`` (cross-linked where the preset says;
+    a CUDA library must embed the device binary). Raises :class:`BuildError` in one line."""
     try:
         if spec.cross_compiler:
             from tvm.support import cc

@@ -92,6 +92,13 @@ def tune_model(
         raise UsageError(f"--trials {trials}: expected a positive number of measurements")
     if budget is not None and budget <= 0:
         raise UsageError(f"--budget {budget}: expected a positive number of seconds")
+    try:
+        import xgboost  # noqa: F401 (MetaSchedule's cost model; imported by it only after the first measurements)
+    except ImportError:
+        raise UsageError(
+            "tune needs the xgboost package (MetaSchedule's cost model) and it is not installed; "
+            "install it with `pip install xgboost-cpu`"
+        ) from None
     spec = resolve(target, arch=arch)
     tgt = spec.tvm_target()
     if tgt.kind.name == "llvm" and "num-cores" not in spec.target:  # MetaSchedule needs the core count
@@ -131,7 +138,9 @@ def tune_model(
             task_weights=weights,
             work_dir=str(work_dir),
             max_trials_global=trials,
-            num_trials_per_iter=min(64, trials),
+            # every task gets a first batch within the budget (the scheduler visits each task once
+            # before it spends trials where the gradient points)
+            num_trials_per_iter=max(8, min(64, trials // len(contexts))),
             builder=builder,
             runner=runner,
             measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(bar, budget, start)],

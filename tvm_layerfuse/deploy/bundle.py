@@ -62,7 +62,7 @@ PACKAGES = ("tvm", "tvm_ffi", "ml_dtypes", "typing_extensions", "cloudpickle", "
 # that none of them imports the compiler).
 RUNTIME_PACKAGE = "runtime"
 LOADER = ("__init__.py", "errors.py", "cli/__init__.py", "cli/run.py")
-# The runtime side of the VTA target (numpy only): what runtime.load needs for a vta
+# The runtime side of the VTA target (numpy + TVM's runtime): what runtime.load needs for a vta
 # artifact, and the board's server (python -m tvm_layerfuse.vta.rpc_server).
 VTA_RUNTIME = tuple(
     f"vta/{m}.py" for m in ("__init__", "runtime", "rpc_server", "sim", "isa", "encoding", "config", "layout", "host", "numerics")

@@ -24,7 +24,8 @@ What happens, in order (every step that waits on the network has a deadline):
    ``set_input``/``invoke_stateful``/``get_outputs`` (safe over RPC for tuple outputs),
    then ``time_evaluator("invoke_stateful")`` for the latency.
 
-A ``vta`` artifact (target device ``vta``) has no library: step 4 uploads its VTA files and
+A ``vta`` artifact (target device ``vta``): step 3 checks the board's machine against its host
+library's (``host.so``, the TVM-compiled host steps); step 4 uploads its VTA files and
 calls the VTA runtime that the board's server registers (``python -m
 tvm_layerfuse.vta.rpc_server``; see :mod:`tvm_layerfuse.vta.rpc_server`); the result also holds
 VTA's counters. A server without that runtime is refused before anything runs.
@@ -121,7 +122,7 @@ def deploy(
         board_addr = parse_address(rpc if rpc is not None else DEFAULT_RPC, what="--rpc")
     manifest = artifact.read_manifest(path)
     vta = manifest["target"].get("device") == "vta"
-    if vta:  # VTA programs + numpy host steps: the board's server runs them (vta.rpc_server)
+    if vta:  # VTA programs + the host steps' library: the board's server runs them (vta.rpc_server)
         if device not in (None, "vta"):
             check_device(manifest, device)  # refused: names the artifact's device
         device = "vta"
@@ -182,9 +183,10 @@ def deploy(
 
 def _vta_files(path: Path, manifest: dict[str, Any]) -> dict[str, str]:
     """The files a VTA board loads, with their checksums (the manifest's ``files``)."""
-    from ..vta.runtime import FILES, MANIFEST
+    from ..vta.runtime import FILES, HOST_LIBRARY, MANIFEST
 
-    return {name: manifest["files"][name] for name in (MANIFEST, *FILES)}
+    names = (MANIFEST, *FILES) + ((HOST_LIBRARY,) if HOST_LIBRARY in manifest["files"] else ())
+    return {name: manifest["files"][name] for name in names}
 
 
 def _assemble(path: Path, manifest, device: str, records: dict[str, Any], started: float) -> DeployResult:

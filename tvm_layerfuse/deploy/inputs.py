@@ -91,14 +91,14 @@ def fit_board(manifest: Mapping[str, Any], *, board: str, machine: Optional[str]
     wanted = target.get("machine")
     if machine is None or not wanted or machine == wanted:
         return
-    preset = {"aarch64": "aarch64", "x86_64": "cpu"}.get(machine)
+    preset = {"aarch64": "aarch64", "x86_64": "cpu"}.get(machine) if target.get("device") != "vta" else None
     raise BoardMismatchError(
         f"artifact was compiled for {wanted} (target {target.get('preset')}), but board {board} runs {machine}; "
         f"nothing was uploaded - "
         + (
             f"compile with --target {preset} for this board"
             if preset
-            else f"compile with a target preset for {machine}"
+            else f"compile with a {'VTA ' if target.get('device') == 'vta' else ''}target preset for {machine}"
         )
         + f", or deploy to {'an' if wanted[:1] in 'aeiox' else 'a'} {wanted} board"
     )

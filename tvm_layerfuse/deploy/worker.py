@@ -207,7 +207,8 @@ VTA_SERVER = "python -m tvm_layerfuse.vta.rpc_server"
 
 def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
     """A VTA artifact: its files go to the board's VTA runtime (:mod:`tvm_layerfuse.vta.rpc_server`),
-    which runs the programs on its device (simulator or VTA) and the host steps in numpy."""
+    which runs the programs on its device (simulator or VTA) and the host steps in the
+    artifact's TVM-compiled ``host.so`` (built for the board's machine: checked first)."""
     import gc
     import hashlib
     import io
@@ -227,7 +228,7 @@ def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
     inputs = bytearray(buf.getvalue())
     tracker = TrackerClient(tuple(job["tracker"]), key=job["key"], timeout=timeout, emit=emit) if job["tracker"] else None
     total_mb = sum(len(b) for b in files.values()) / 1e6
-    known: set[str] = set()
+    known: dict[str, Optional[str]] = {}  # board -> its machine
     for number in range(job["sessions"]):
         if tracker is not None:
             host, port, matchkey = tracker.request()
@@ -246,8 +247,13 @@ def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
             raise StepFailure("unreachable", _connect_failure(host, port, e, tracker=tracker)) from None
         if board not in known:
             step("asking the board what it is")
-            emit("board", address=board, machine=_remote_machine(sess), hostname=_remote_hostname(sess), key=job["key"])
-            known.add(board)
+            known[board] = _remote_machine(sess)
+            emit("board", address=board, machine=known[board], hostname=_remote_hostname(sess), key=job["key"])
+        try:  # host.so is built for one machine: refuse another before uploading
+            fit_board({"target": {"machine": job["machine"], "preset": job["preset"], "device": "vta"}}, board=board,
+                      machine=known[board])  # fmt: skip
+        except BoardMismatchError as e:
+            raise StepFailure("mismatch", str(e)) from None
         try:
             load = sess.get_function("tvm_layerfuse.vta.load")
         except Exception:  # noqa: BLE001 - a plain TVM server: no VTA runtime registered

@@ -3,7 +3,8 @@
 The artifact's manifest is every target's (checksums, inputs, outputs); its ``library`` is
 ``vta.json``, the op sequence that :func:`tvm_layerfuse.vta.runtime.load_vta` runs: VTA
 programs on a device (``sim``: the bit-exact simulator; ``board``: a real VTA) and the
-host steps in numpy. Nothing here imports TVM.
+host steps in the artifact's ``host.so`` (compiled by TVM for the host CPU, run by TVM's
+runtime; the artifact's ``target.machine`` must be this machine's).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from ..errors import ArtifactError
 from . import artifact
-from .loader import Inputs, check_inputs
+from .loader import Inputs, check_inputs, this_machine
 
 DEVICES = ("sim", "board")
 
@@ -36,6 +37,12 @@ class VTARuntime:
             raise ArtifactError(
                 f"artifact {str(self.path)!r} was compiled for vta, but device {device!r} was requested; "
                 "run it with --device sim (the simulator) or --device board, or compile with --target cpu"
+            )
+        machine, here = manifest["target"].get("machine"), this_machine()
+        if machine and machine != here:
+            raise ArtifactError(
+                f"artifact {str(self.path)!r} holds host steps compiled for {machine}, but this machine is {here}; "
+                f"compile with a VTA preset for {here}, or deploy the artifact to its {machine} board"
             )
         artifact.verify(self.path, manifest)
         self.manifest = manifest

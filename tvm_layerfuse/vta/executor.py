@@ -2,7 +2,9 @@
 
 :func:`to_module` writes what the runtime needs as data (manifest, DRAM image, encoded
 instruction streams, host-step constants); :func:`execute` runs one inference through
-exactly that module, so the in-memory path and a loaded artifact are one code path.
+exactly that module, so the in-memory path and a loaded artifact are one code path - but
+for the host ops, which the in-memory module interprets in numpy (the reference) and an
+artifact runs in its TVM-compiled ``host.so`` (:mod:`.host_library`).
 """
 
 from __future__ import annotations

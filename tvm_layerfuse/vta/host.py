@@ -1,10 +1,12 @@
-"""Host-side float operators of the VTA flow (numpy): the layers VTA does not run.
+"""Host-side float operators of the VTA flow in numpy: the reference for the layers VTA does not run.
 
-The host runs in float32/float64 numpy what the accelerator cannot: the stem convolution
-on the image, pools, the classifier, softmax, and any fused layer the code generator
-refuses. Every function takes and returns NCHW arrays. The same functions serve the
-calibration run (float execution of the whole graph) and the int8 pipelines, so the
-simulator path and the numpy int8 reference share their host part exactly.
+The host runs in float64 what the accelerator cannot: the stem convolution on the image,
+pools, the classifier, softmax, and any fused layer the code generator refuses. Every
+function takes and returns NCHW arrays. The same functions serve the calibration run (float
+execution of the whole graph), the numpy int8 reference and the compiler's in-memory
+simulator runs, so those share their host part exactly. A compiled artifact runs the same
+host steps in TVM-compiled code instead (``host.so``, :mod:`.host_library`), equal to these
+to float64 rounding (tests/test_vta_host_library.py).
 """
 
 from __future__ import annotations

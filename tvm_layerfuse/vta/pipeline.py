@@ -15,6 +15,7 @@ error).
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -128,21 +129,38 @@ def compile_vta(
     input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
     force: bool = False,
     on_commit: Optional[Callable[[], None]] = None,
+    target: str = "vta",
 ) -> dict[str, Any]:
     """Compile an ONNX model for VTA into the artifact directory ``out_dir`` (atomically, as
     :func:`tvm_layerfuse.runtime.artifact.write_artifact` writes every target's artifact).
+
+    ``target``: the preset (``vta`` or a JSON file with ``"device": "vta"``) whose ``host``
+    (else ``target``) TVM target and ``cross_compiler`` build the host steps' library
+    (:mod:`.host_library`): this machine's CPU for the simulator, the board's for a board.
 
     ``config``: a :class:`VTAConfig`, a path to a ``vta_config.json`` or None (VTA's
     default). ``calibration``: input dicts, or an ``.npz`` file (:func:`read_calibration`);
     None draws ``n_calibration`` seeded random inputs (with a file: at most
     ``n_calibration`` of its samples are used). ``force``: replace an existing artifact.
     Returns the report (:func:`report`) of the build, baseline included."""
+    import tempfile
     from pathlib import Path
 
+    from ..compile.presets import check_toolchain, resolve
     from ..runtime import artifact
+    from ..runtime.loader import this_machine
     from .config import load_config
     from .executor import to_module
+    from .host_library import attach, build_host_library
+    from .runtime import HOST_LIBRARY
 
+    spec = resolve(target)
+    if spec.device != "vta":
+        from ..errors import UsageError
+
+        raise UsageError(f"target {target!r} is for device {spec.device!r}; expected a VTA preset (\"device\": \"vta\") - use --target vta")
+    check_toolchain(spec)
+    machine = this_machine() if spec.machine == "host" else spec.machine
     cfg = config if isinstance(config, VTAConfig) else (load_config(config) if config is not None else DEFAULT)
     p = model_path if hasattr(model_path, "second") else make_plan(model_path, input_shapes=input_shapes)
     if isinstance(calibration, (str, Path)):
@@ -150,19 +168,27 @@ def compile_vta(
     b = build(p, cfg=cfg, calibration=calibration, n_calibration=n_calibration, seed=seed, baseline=True)
     rep = report(b)
     module = to_module(b.fused)
+    with tempfile.TemporaryDirectory(prefix="tvm_layerfuse_vta_host_") as private:
+        lib = build_host_library(module.manifest["ops"], module.consts, shapes=b.graph.shapes, opset=p.first.opset, spec=spec,
+                                 machine=machine, out_dir=Path(private), file=HOST_LIBRARY)  # fmt: skip
+        attach(module, lib, file=HOST_LIBRARY)
 
-    def fill(tmp: Path) -> dict[str, Any]:
-        module.write_files(tmp)
-        return _manifest(p, b, rep, model_path)
+        def fill(tmp: Path) -> dict[str, Any]:
+            shutil.copyfile(lib.path, tmp / HOST_LIBRARY)
+            module.write_files(tmp)
+            return _manifest(p, b, rep, model_path, spec=spec, machine=machine)
 
-    artifact.write_artifact(Path(out_dir), fill, overwrite=force, on_commit=on_commit)
+        artifact.write_artifact(Path(out_dir), fill, overwrite=force, on_commit=on_commit)
     return rep
 
 
-def _manifest(p: Any, b: VTABuild, rep: Mapping[str, Any], model: Any) -> dict[str, Any]:
+def _manifest(p: Any, b: VTABuild, rep: Mapping[str, Any], model: Any, *, spec: Any, machine: str) -> dict[str, Any]:
     """The artifact manifest every target shares (``runtime.artifact``): the ``library`` is
-    ``vta.json`` (the op sequence: VTA programs and host steps); there is no TVM library."""
+    ``vta.json`` (the op sequence: VTA programs and host steps), which names the TVM library
+    of the host steps (``host.so``, built for ``machine``)."""
     from pathlib import Path
+
+    import tvm
 
     from .. import __version__
     from ..runtime import artifact
@@ -179,11 +205,14 @@ def _manifest(p: Any, b: VTABuild, rep: Mapping[str, Any], model: Any) -> dict[s
         "format_version": artifact.FORMAT_VERSION,
         "created_by": f"tvm_layerfuse {__version__}",
         "model": {"name": p.model, "sha256": artifact.sha256_file(source) if source is not None and source.is_file() else None},
+        "tvm_version": tvm.__version__,
         "target": {
-            "preset": "vta",
-            "description": "VTA programs (simulator or board) + host steps in numpy",
+            "preset": spec.preset,
+            "description": "VTA programs (simulator or board) + host steps compiled by TVM for the host CPU",
             "device": "vta",
-            "machine": None,  # the host steps are numpy: any machine runs them
+            "machine": machine,  # what host.so runs on
+            "tvm_target": dict(spec.host or spec.target),
+            "cross_compiler": spec.cross_compiler,
             "vta": b.fused.cfg.to_dict(),
         },
         "fused": True,

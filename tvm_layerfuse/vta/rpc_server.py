@@ -9,8 +9,8 @@ As ``vta.exec.rpc_server`` did in TVM's VTA stack, this is ``tvm.rpc.Server`` wi
 ``server_init_callback`` that registers the VTA runtime as global functions of every
 session (TVM's plain ``python -m tvm.exec.rpc_server`` runs compiled libraries only, no
 Python, so a VTA artifact needs this one). The client uploads the artifact's VTA files
-(``vta.json``, ``dram.bin``, ``programs.npz``, ``host.npz``) into the session's work
-directory and calls:
+(``vta.json``, ``dram.bin``, ``programs.npz``, ``host.npz``, ``host.so``: the host steps
+compiled by TVM for this board's CPU) into the session's work directory and calls:
 
 * ``tvm_layerfuse.vta.load(name)`` - load the uploaded ``name`` (``vta.json``) with
   :func:`tvm_layerfuse.vta.runtime.load_vta` on this server's device; returns JSON
@@ -22,7 +22,8 @@ directory and calls:
 
 ``--device sim`` (default) runs the programs on the bit-exact simulator on this machine's
 CPU; ``--device board`` drives a real VTA and, since no driver ships with this package,
-fails on load with "no VTA device found". Numpy and TVM's runtime only.
+fails on load with "no VTA device found". The host steps run in ``host.so`` through TVM's
+runtime in this process. Numpy and TVM's runtime only.
 """
 
 from __future__ import annotations

@@ -7,14 +7,18 @@ An artifact directory holds::
     dram.bin       the DRAM image: packed weights, biases, shift vectors, micro-op kernels,
                    zeroed activation buffers (absolute addresses are baked into the programs)
     programs.npz   one VTA instruction stream per fused layer (16 bytes per instruction)
-    host.npz       constants of the host steps (stem conv, classifier, ...)
+    host.so        the host steps (stem conv, pools, classifier, ...) compiled by TVM for the
+                   host CPU: one Relax VM function per host op (``host_library``)
+    host.npz       their weights (the functions' parameters; also what the numpy steps read)
 
 Devices implement :class:`VTADevice` (the shape of VTA's ``driver.h``: device memory,
 copies, run an instruction stream and wait for FINISH). ``"sim"`` is
 :class:`tvm_layerfuse.vta.sim.Simulator`. ``"board"`` needs a driver for a real VTA (PYNQ-Z1,
 Ultra96, DE10-Nano with the VTA bitstream): none ships with this package, so it fails
-with "no VTA device found" unless one is passed in. Importing this module never imports
-onnx, TVM or the compiler.
+with "no VTA device found" unless one is passed in. The host ops of a loaded artifact run in
+``host.so`` through TVM's runtime (``tvm.runtime`` and its VM, imported when an artifact is
+loaded); the numpy interpretation of the same steps (:mod:`.host`) is the reference the
+compiler's in-memory modules run. Importing this module never imports onnx, TVM or the compiler.
 """
 
 from __future__ import annotations
@@ -23,15 +27,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Union
+from typing import Any, Mapping, Optional, Protocol, Union
 
 import numpy as np
 
-from ..errors import ArtifactError, DeviceError, InputError
+from ..errors import ArtifactError, DeviceError, InputError, first_line
 from . import host
 from .config import VTAConfig, config_from_dict
 from .layout import Layout, Segment, pack_activation, unpack_activation
@@ -40,9 +42,16 @@ from .sim import DRAM, Counters, Simulator
 
 log = logging.getLogger(__name__)
 
-FORMAT = "tvm_layerfuse.vta/1"
+FORMAT = "tvm_layerfuse.vta/2"
 MANIFEST = "vta.json"
 FILES = ("dram.bin", "programs.npz", "host.npz")
+HOST_LIBRARY = "host.so"
+
+
+def artifact_files(manifest: Mapping[str, Any]) -> tuple[str, ...]:
+    """The files beside ``vta.json``: :data:`FILES` and the host library when the manifest has one."""
+    lib = manifest.get("host_library")
+    return FILES + ((lib["file"],) if lib else ())
 BOARD_DEVICE_NODES = ("/dev/xlnk", "/dev/udmabuf0", "/dev/vta0")
 
 
@@ -116,11 +125,45 @@ class _Storage:
     width: int
 
 
+class HostSteps:
+    """``host.so``: the host ops compiled by TVM, run by TVM's runtime (Relax VM) on the CPU.
+
+    Each host op of the manifest names its ``function``, called with the op's ``reads``
+    (float64, NCHW) and then its ``params`` (arrays of host.npz); it returns the ``writes``."""
+
+    def __init__(self, path: Path, consts: Mapping[str, np.ndarray], ops: list[dict[str, Any]], *, machine: Optional[str]) -> None:
+        import tvm  # the runtime part only: tvm.relax is never imported here
+        from tvm.runtime import vm as vm_runtime
+
+        try:
+            lib = tvm.runtime.load_module(str(path))
+        except Exception as e:  # noqa: BLE001 - a foreign or damaged library: one line
+            raise ArtifactError(
+                f"host library {str(path)!r} cannot be loaded ({first_line(e)}); expected a library built for "
+                f"{machine or 'this machine'} - compile the artifact with a preset for this machine"
+            ) from None
+        self._tvm = tvm
+        self._dev = tvm.cpu(0)
+        self._vm = vm_runtime.VirtualMachine(lib, self._dev)
+        # the functions' weights: float arrays of host.npz, float64 as the functions take them
+        self._params = {k: tvm.runtime.tensor(np.ascontiguousarray(consts[k], dtype=np.float64), self._dev)
+                        for op in ops for k in op.get("params", ())}  # fmt: skip
+
+    def __call__(self, op: Mapping[str, Any], values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        tensor = self._tvm.runtime.tensor
+        args = [tensor(np.ascontiguousarray(values[n], dtype=np.float64), self._dev) for n in op["reads"]]
+        out = self._vm[op["function"]](*args, *(self._params[k] for k in op["params"]))
+        outs = [out] if hasattr(out, "numpy") else list(out)
+        return {name: o.numpy() for name, o in zip(op["writes"], outs)}
+
+
 class VTAModule:
-    """A compiled network: host steps in numpy, VTA programs on a device."""
+    """A compiled network: VTA programs on a device, host steps in ``host.so`` (a loaded
+    artifact) or interpreted in numpy (the compiler's in-memory module, the reference)."""
 
     def __init__(self, manifest: Mapping[str, Any], image: np.ndarray, streams: Mapping[str, np.ndarray],
-                 consts: Mapping[str, np.ndarray], *, device: Union[str, VTADevice] = "sim") -> None:
+                 consts: Mapping[str, np.ndarray], *, device: Union[str, VTADevice] = "sim",
+                 host_steps: Optional[HostSteps] = None) -> None:
         self.manifest = dict(manifest)
         self.cfg = config_from_dict(manifest["config"], source="artifact VTA configuration")
         self.image = image
@@ -135,6 +178,7 @@ class VTAModule:
         }
         self.inputs: dict[str, list[int]] = {k: list(v) for k, v in manifest["inputs"].items()}
         self.outputs: list[str] = list(manifest["outputs"])
+        self.host_steps = host_steps
         self.device = open_device(device, self.cfg)
 
     # ------------------------------------------------------------------ run
@@ -172,7 +216,10 @@ class VTAModule:
         for op in self.manifest["ops"]:
             if op["kind"] == "host":
                 local = {n: as_float(n) for n in op["reads"]}
-                host.run_steps(op["steps"], local, self.consts)
+                if self.host_steps is not None:
+                    local.update(self.host_steps(op, local))
+                else:
+                    host.run_steps(op["steps"], local, self.consts)
                 for name in op["writes"]:
                     floats[name] = local[name]
                     if name in self.storage:
@@ -209,30 +256,15 @@ class VTAModule:
 
     # ------------------------------------------------------------------ files
     def write_files(self, out_dir: Union[str, Path]) -> None:
-        """Write the artifact's VTA files into the existing directory ``out_dir``."""
+        """Write the artifact's VTA files into the existing directory ``out_dir`` (which holds
+        the host library already when the manifest names one)."""
         out = Path(out_dir)
         (out / "dram.bin").write_bytes(self.image.tobytes())
         np.savez(out / "programs.npz", **self.streams)
         np.savez(out / "host.npz", **self.consts)
         manifest = dict(self.manifest)
-        manifest["sha256"] = {f: _sha256(out / f) for f in FILES}
+        manifest["sha256"] = {f: _sha256(out / f) for f in artifact_files(manifest)}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-
-    def save(self, out_dir: Union[str, Path]) -> Path:
-        """Write the VTA files alone into ``out_dir`` atomically (a temporary directory renamed
-        into place); ``compile_vta`` writes them inside a full artifact instead."""
-        out = Path(out_dir)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
-            self.write_files(tmp)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return out
 
 
 def _sha256(path: Path) -> str:
@@ -251,7 +283,10 @@ def load_vta(artifact_dir: Union[str, Path], *, device: Union[str, VTADevice] = 
         raise ArtifactError(f"{str(mpath)!r} cannot be read as JSON ({exc}); expected a VTA manifest - recompile") from None
     if manifest.get("format") != FORMAT:
         raise ArtifactError(f"{str(mpath)!r} has format {manifest.get('format')!r}; expected {FORMAT!r} - recompile with this version")
-    for f in FILES:
+    if any(op["kind"] == "host" for op in manifest["ops"]) and not manifest.get("host_library"):
+        raise ArtifactError(f"{str(mpath)!r} has host ops but no host library; expected {HOST_LIBRARY} (the TVM-compiled "
+                            "host steps) - recompile with this version")
+    for f in artifact_files(manifest):
         p = d / f
         if not p.is_file() or _sha256(p) != manifest.get("sha256", {}).get(f):
             raise ArtifactError(f"artifact file {str(p)!r} is missing or does not match its checksum in vta.json; expected the files "
@@ -261,4 +296,6 @@ def load_vta(artifact_dir: Union[str, Path], *, device: Union[str, VTADevice] = 
         streams = {k: z[k] for k in z.files}
     with np.load(d / "host.npz", allow_pickle=False) as z:
         consts = {k: z[k] for k in z.files}
-    return VTAModule(manifest, image, streams, consts, device=device)
+    lib = manifest.get("host_library")
+    steps = HostSteps(d / lib["file"], consts, manifest["ops"], machine=lib.get("machine")) if lib else None
+    return VTAModule(manifest, image, streams, consts, device=device, host_steps=steps)

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import struct
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
@@ -99,19 +100,23 @@ def build_extension() -> Path:
         return out
     cache.mkdir(parents=True, exist_ok=True)
     libdirs = _lib_dirs(prefix)
-    try:
-        path = tvm_ffi.cpp.build(
-            "layerfuse_onednn",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O2", "-DNDEBUG"],
-            extra_ldflags=[*(f"-L{d}" for d in libdirs), "-ldnnl"],
-            extra_include_paths=[str(prefix / "include")],
-            build_directory=str(cache),
-        )
-    except Exception as e:  # the compiler's complaint, first line
-        detail = next((line.strip() for line in str(e).splitlines() if "error" in line.lower()), str(e).strip()[:200])
-        raise BuildError(f"the oneDNN tactic library did not build: {detail[:300]}") from None
-    return Path(path)
+    # several compiles may build at once (parallel jobs, a fresh machine): each builds in its
+    # own folder and renames the finished library into place, so no one loads a partial file
+    with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as build_dir:
+        try:
+            path = tvm_ffi.cpp.build(
+                "layerfuse_onednn",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O2", "-DNDEBUG"],
+                extra_ldflags=[*(f"-L{d}" for d in libdirs), "-ldnnl"],
+                extra_include_paths=[str(prefix / "include")],
+                build_directory=build_dir,
+            )
+        except Exception as e:  # the compiler's complaint, first line
+            detail = next((line.strip() for line in str(e).splitlines() if "error" in line.lower()), str(e).strip()[:200])
+            raise BuildError(f"the oneDNN tactic library did not build: {detail[:300]}") from None
+        os.replace(path, out)
+    return out
 
 
 @lru_cache(maxsize=1)
