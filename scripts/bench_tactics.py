@@ -68,6 +68,8 @@ CLOCK = ["wall"]
 
 def kind_of(symbol: str) -> str:
     s = symbol.lower()
+    if "concat_convs" in s:  # convs writing their channels of a concat block (no copy)
+        return "conv"
     if "concat" in s:  # TVM's concatenate kernels and layerfuse.onednn.concat
         return "concat"
     if "pool" in s:  # TVM's pools and layerfuse.onednn.pool2d
@@ -199,6 +201,37 @@ def report(results, args) -> None:
                 print(f"  {r['name']:<14} {side:<11} total {sum(kinds.values()):.2f}: {parts}")
 
 
+def write_png(results, path: str, args) -> None:
+    """A bar chart: each side's median per model, as a multiple of onnxruntime's (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    sides = [s for s in SIDES if s != "onnxruntime" and any(r["samples"].get(s) for r in results)]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 + 1.4 * len(results)), 4.2))
+    width = 0.8 / len(sides)
+    for k, side in enumerate(sides):
+        ratios = [
+            statistics.median(r["samples"][side]) / statistics.median(r["samples"]["onnxruntime"]) if r["samples"].get(side) else 0
+            for r in results
+        ]
+        bars = ax.bar([i + (k - (len(sides) - 1) / 2) * width for i in range(len(results))], ratios, width, label=side)
+        ax.bar_label(bars, labels=[f"{v:.2f}" if v else "" for v in ratios], fontsize=7, rotation=90, padding=2)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks(range(len(results)), [r["name"] for r in results], rotation=20)
+    ax.set_ylabel("median time / onnxruntime")
+    ax.set_title(f"batch 1, fp32, {args.threads} thread(s), {args.clock} clock, {args.rounds} rounds", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", default=list(MODELS))
@@ -206,6 +239,7 @@ def main() -> None:
     ap.add_argument("--default-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--png", metavar="FILE", help="also write a bar chart of the ratios to onnxruntime (needs matplotlib)")
     ap.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -218,11 +252,19 @@ def main() -> None:
     unknown = [n for n in args.names if n not in MODELS]
     if unknown:
         sys.exit(f"error: model {unknown[0]!r} is unknown; expected one of {', '.join(MODELS)}")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.exit(f'error: --png {args.png} needs matplotlib, which is not installed; install it with pip install -e ".[bench]"')
     results = []
     for name in args.names:
         results.append(bench(name, args))
         print(f"[{name}: built in {results[-1]['build_s']:.0f} s]", file=sys.stderr, flush=True)
     report(results, args)
+    if args.png:
+        write_png(results, args.png, args)
+        print(f"wrote {args.png}", file=sys.stderr)
 
 
 if __name__ == "__main__":
