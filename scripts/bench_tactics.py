@@ -16,7 +16,8 @@ Every round runs each side once on the same input (tvm-default only in the first
 ``--default-rounds`` rounds: it takes seconds). Prints medians, the spread (min-max), the
 ratios, and with ``--breakdown`` the time of each side's calls grouped by kind (conv /
 pool / concat / element-wise / layout / other), measured with the VM's instrument hook in
-a separate, un-timed run (the hook adds Python overhead per call).
+a separate, un-timed run (the hook adds Python overhead per call). ``--png FILE`` also writes
+a bar chart of each side's median over onnxruntime's (needs matplotlib: ``pip install -e ".[bench]"``).
 """
 
 from __future__ import annotations

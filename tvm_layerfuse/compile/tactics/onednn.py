@@ -154,6 +154,15 @@ def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequen
     return str(f(*shapes, bool(residual)))
 
 
+def prologue_implementation(x_shape: Sequence[int], *, blocked: bool) -> str:
+    """The oneDNN kernel of ``conv2d_pre``'s prologue ``relu(x * s + t)`` for input ``x_shape``."""
+    import tvm_ffi
+
+    load()
+    f = tvm_ffi.get_global_func("layerfuse.onednn.prologue_implementation")
+    return str(f(tvm_ffi.Shape([int(d) for d in x_shape]), bool(blocked)))
+
+
 def pool_implementation(x_shape: Sequence[int], out_shape: Sequence[int], attrs: Sequence[int]) -> str:
     """The oneDNN kernel this pooling layer (``attrs`` as ``layerfuse.onednn.pool2d`` takes them) gets."""
     import tvm_ffi

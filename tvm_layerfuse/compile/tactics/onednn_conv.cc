@@ -50,6 +50,8 @@
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
 //       "jit:avx512_core" or "jit_1x1:avx512_core"; the compiler refuses "ref:" kernels.
 //   layerfuse.onednn.pool_implementation(x_shape, out_shape, attrs) -> str   the same, pools
+//   layerfuse.onednn.prologue_implementation(x_shape, blocked) -> str    the same, conv2d_pre's
+//       prologue
 
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/container/tensor.h>
@@ -283,6 +285,20 @@ struct Pre {
   dnnl::memory buf;
 };
 
+dnnl::binary::primitive_desc PreDesc(const dims& d, bool blocked) {
+  // [1, C, 1, 1]: the same bytes in both layouts; described in x's, or oneDNN picks its
+  // reference kernel for the broadcast (a hundred times slower)
+  const dnnl::memory::desc per_channel({1, d[1], 1, 1}, dt::f32, blocked ? tag::nChw16c : tag::nchw);
+  dnnl::memory::desc src(d, dt::f32, blocked ? tag::nChw16c : tag::nchw);
+  dnnl::post_ops ops;
+  ops.append_binary(dnnl::algorithm::binary_add, per_channel);
+  ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+  dnnl::primitive_attr attr;
+  attr.set_post_ops(ops);
+  return dnnl::binary::primitive_desc(dnnl::binary::desc(dnnl::algorithm::binary_mul, src, per_channel, src), attr,
+                                      Engine());
+}
+
 const float* RunPre(const TensorView& x, const TensorView& sc, const TensorView& sh, bool blocked) {
   const dims d = Dims(x.shape().data(), 4);
   if (sc.numel() != d[1] || sh.numel() != d[1])
@@ -292,22 +308,15 @@ const float* RunPre(const TensorView& x, const TensorView& sc, const TensorView&
   for (auto v : d) key << v << ',';
   key << blocked;
   auto it = pres->find(key.str());
-  const dnnl::memory::desc per_channel({1, d[1], 1, 1}, dt::f32, tag::nchw);
   if (it == pres->end()) {
     auto pre = std::make_unique<Pre>();
-    dnnl::memory::desc src(d, dt::f32, blocked ? tag::nChw16c : tag::nchw);
-    dnnl::post_ops ops;
-    ops.append_binary(dnnl::algorithm::binary_add, per_channel);
-    ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
-    dnnl::primitive_attr attr;
-    attr.set_post_ops(ops);
-    pre->pd = dnnl::binary::primitive_desc(dnnl::binary::desc(dnnl::algorithm::binary_mul, src, per_channel, src), attr,
-                                           Engine());
+    pre->pd = PreDesc(d, blocked);
     pre->prim = dnnl::binary(pre->pd);
     pre->buf = dnnl::memory(pre->pd.dst_desc(), Engine());
     it = pres->emplace(key.str(), std::move(pre)).first;
   }
   const Pre& pre = *it->second;
+  const dnnl::memory::desc per_channel = pre.pd.src_desc(1);
   dnnl::stream s(Engine());
   pre.prim.execute(s, {{DNNL_ARG_SRC_0, dnnl::memory(pre.pd.src_desc(0), Engine(), const_cast<float*>(Data(x)))},
                        {DNNL_ARG_SRC_1, dnnl::memory(per_channel, Engine(), const_cast<float*>(Data(sc)))},
@@ -486,6 +495,15 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
   }
 }
 
+String PreImplementation(Shape x, bool blocked) {
+  if (x.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
+  try {
+    return String(PreDesc(Dims(x.data(), 4), blocked).impl_info_str());
+  } catch (const dnnl::error& e) {
+    return String(std::string("unsupported: ") + e.what());
+  }
+}
+
 String PoolImplementation(Shape x, Shape y, Shape attrs) {
   if (x.size() != 4 || y.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
@@ -577,6 +595,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.conv2d_pre", Function::FromPacked(layerfuse_onednn::Conv2dPre), true);
   Function::SetGlobal("layerfuse.onednn.concat_convs", Function::FromPacked(layerfuse_onednn::ConcatConvs), true);
   Function::SetGlobal("layerfuse.onednn.pool2d", Function::FromTyped(layerfuse_onednn::Pool2d), true);
+  Function::SetGlobal("layerfuse.onednn.prologue_implementation",
+                      Function::FromTyped(layerfuse_onednn::PreImplementation), true);
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),
                       true);
   Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);
