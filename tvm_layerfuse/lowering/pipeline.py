@@ -389,6 +389,23 @@ def _ints(entry: str) -> Optional[list[int]]:
     return [int(v) for v in m.group(1).replace(" ", "").split(",") if v]
 
 
+# tactic-library calls (R.call_dps_packed) that copy their inputs into a concatenation
+_LIBRARY_COPY_CONCATS = ("layerfuse.onednn.concat",)
+# ... whose pieces convs write in place, except members of kind 0 (copies); see onednn_conv.cc
+_LIBRARY_CONCAT_CONVS = "layerfuse.onednn.concat_convs"
+_MEMBER_ARGS = {0: 1, 1: 4, 2: 6, 3: 5}  # arguments per member kind
+
+
+def _concat_convs_copies(spec: list[int], args: list[str], tensor_bytes: dict) -> int:
+    """Bytes the copy members of a ``concat_convs`` call copy (spec: blocked, kind, offset, ...)."""
+    copied, a = 0, 0
+    for kind in spec[1::2]:
+        if kind == 0 and a < len(args):
+            copied += tensor_bytes.get(args[a], 0)
+        a += _MEMBER_ARGS.get(kind, 1)
+    return copied
+
+
 def _report_executable(ex) -> dict[str, Any]:
     pool = _constant_pool(ex)
     text = ex.as_text()
@@ -416,9 +433,11 @@ def _report_executable(ex) -> dict[str, Any]:
                 tensor_bytes[dst] = _shape_bytes(shape, const(args[3]) or "float32")
         elif not name.startswith("vm."):
             kernels += 1
-            if _is_copy_concat_name(name):
+            if _is_copy_concat_name(name) or name in _LIBRARY_COPY_CONCATS:
                 concat += 1
                 copied += tensor_bytes.get(args[-1], 0)
+            elif name == _LIBRARY_CONCAT_CONVS:  # convs write in place; its copy members copy
+                copied += _concat_convs_copies(_ints(const(args[0]) or "") or [], args[1:-1], tensor_bytes)
             elif "concatenate" in name:
                 fused += 1
             elif re.fullmatch(r"(fused_)?split\d*(_inplace\d*)?", name):
