@@ -117,6 +117,8 @@ def test_every_conv_layer_of_the_compiled_model_runs_on_onednn(name, build, tmp_
     layers = manifest["tactics"]["layers"]
     refused = [(c["layer"], c["reason"]) for c in layers if c["tactic"] == "tvm"]
     assert not refused, refused
+    (classifier,) = [c for c in layers if c["layer"].startswith("dense:")]  # Gemm: a oneDNN matmul
+    assert classifier["tactic"] == "onednn" and not classifier["kernel"].startswith("ref"), classifier
     if name == "densenet121":
         pre = [c for c in layers if c["layer"].startswith("layerfuse_bn_relu_")]
         assert len(pre) == 5 and all(c["tactic"] == "onednn" for c in pre), pre  # 2 + 2 dense layers, 1 transition

@@ -44,6 +44,7 @@ TO_BLOCKED = "layerfuse.onednn.to_blocked"
 CONCAT = "layerfuse.onednn.concat"
 CONCAT_CONVS = "layerfuse.onednn.concat_convs"
 POOL = "layerfuse.onednn.pool2d"
+DENSE = "layerfuse.onednn.dense"
 POOL_ALGORITHMS = {"max": 0, "avg_include_pad": 1, "avg": 2}
 
 
@@ -152,6 +153,14 @@ def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequen
     f = tvm_ffi.get_global_func("layerfuse.onednn.implementation")
     shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs)]
     return str(f(*shapes, bool(residual)))
+
+
+def dense_implementation(n: int, k: int, m: int) -> str:
+    """The oneDNN kernel of ``dense`` (x [n, k] @ w [k, m] + b)."""
+    import tvm_ffi
+
+    load()
+    return str(tvm_ffi.get_global_func("layerfuse.onednn.dense_implementation")(tvm_ffi.Shape([int(n), int(k), int(m)])))
 
 
 def prologue_implementation(x_shape: Sequence[int], *, blocked: bool) -> str:

@@ -40,6 +40,7 @@
 //       nChw16c too when every c_i and C_i is a multiple of 16 (all pieces in one layout)
 //   layerfuse.onednn.concat_convs (spec, a_1, ..., a_m, out)   a concat (batch 1) whose pieces
 //       are convs (and copies) writing their channel ranges of out directly (see ConcatConvs)
+//   layerfuse.onednn.dense       (x, w, b, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
 //   layerfuse.onednn.pool2d      (x, attrs, out)
 //       attrs = (alg, kh, kw, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right,
 //       blocked); alg: 0 max, 1 average counting the padding, 2 average over the input
@@ -495,6 +496,58 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
   }
 }
 
+// out = x @ w + b (the classifier: Gemm / Linear), x [N, K], w [K, M], b [M], out [N, M], as a
+// oneDNN matmul primitive made once per shape.
+dnnl::matmul::primitive_desc DenseDesc(int64_t N, int64_t K, int64_t M) {
+  dnnl::memory::desc src({N, K}, dt::f32, tag::ab), wei({K, M}, dt::f32, tag::ab), bias({1, M}, dt::f32, tag::ab),
+      dst({N, M}, dt::f32, tag::ab);
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, bias, dst), Engine());
+}
+
+void Dense(TensorView x, TensorView w, TensorView b, TensorView out) {
+  CheckTensor(x, 2, "input");
+  CheckTensor(w, 2, "weight");
+  CheckTensor(out, 2, "output");
+  const int64_t N = x.shape()[0], K = x.shape()[1], M = w.shape()[1];
+  if (w.shape()[0] != K || b.numel() != M || out.shape()[0] != N || out.shape()[1] != M)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: shapes do not agree";
+  try {
+    std::lock_guard<std::mutex> lock(Mutex());
+    struct Prim {
+      dnnl::matmul::primitive_desc pd;
+      dnnl::matmul prim;
+    };
+    static auto* prims = new std::unordered_map<std::string, std::unique_ptr<Prim>>();
+    std::ostringstream key;
+    key << N << ',' << K << ',' << M;
+    auto it = prims->find(key.str());
+    if (it == prims->end()) {
+      auto p = std::make_unique<Prim>();
+      p->pd = DenseDesc(N, K, M);
+      p->prim = dnnl::matmul(p->pd);
+      it = prims->emplace(key.str(), std::move(p)).first;
+    }
+    const Prim& p = *it->second;
+    dnnl::stream s(Engine());
+    p.prim.execute(s, {{DNNL_ARG_SRC, dnnl::memory(p.pd.src_desc(), Engine(), const_cast<float*>(Data(x)))},
+                       {DNNL_ARG_WEIGHTS, dnnl::memory(p.pd.weights_desc(), Engine(), const_cast<float*>(Data(w)))},
+                       {DNNL_ARG_BIAS, dnnl::memory(p.pd.bias_desc(), Engine(), const_cast<float*>(Data(b)))},
+                       {DNNL_ARG_DST, dnnl::memory(p.pd.dst_desc(), Engine(), const_cast<float*>(Data(out)))}});
+    s.wait();
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+String DenseImplementation(Shape shape) {
+  if (shape.size() != 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: (N, K, M) expected";
+  try {
+    return String(DenseDesc(shape[0], shape[1], shape[2]).impl_info_str());
+  } catch (const dnnl::error& e) {
+    return String(std::string("unsupported: ") + e.what());
+  }
+}
+
 String PreImplementation(Shape x, bool blocked) {
   if (x.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
@@ -595,6 +648,9 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.conv2d_pre", Function::FromPacked(layerfuse_onednn::Conv2dPre), true);
   Function::SetGlobal("layerfuse.onednn.concat_convs", Function::FromPacked(layerfuse_onednn::ConcatConvs), true);
   Function::SetGlobal("layerfuse.onednn.pool2d", Function::FromTyped(layerfuse_onednn::Pool2d), true);
+  Function::SetGlobal("layerfuse.onednn.dense", Function::FromTyped(layerfuse_onednn::Dense), true);
+  Function::SetGlobal("layerfuse.onednn.dense_implementation", Function::FromTyped(layerfuse_onednn::DenseImplementation),
+                      true);
   Function::SetGlobal("layerfuse.onednn.prologue_implementation",
                       Function::FromTyped(layerfuse_onednn::PreImplementation), true);
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),

@@ -56,7 +56,8 @@ is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run
 bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_info_str`` not
 ``ref:``); otherwise ``tvm`` (TVM's own kernel), with the reason. ``pass.layers`` lists
 every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout"}``: conv layers,
-pools (``pool:<var>``, tactic ``onednn``) and concats (``concat:<var>``, tactic ``copy``).
+pools (``pool:<var>``, tactic ``onednn``), the classifier (``dense:<var>``: ``x @ w + b`` as a
+oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, or ``in-place``).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class UseOneDNNConv:
         mod = relax.transform.DeadCodeElimination()(mod)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
-                mod[gv] = assign_layouts(pools_and_concats(func, self.layers), self.layers)
+                mod[gv] = assign_layouts(pools_and_concats(dense_layers(func, self.layers), self.layers), self.layers)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
                 mod[gv] = concats_in_place(func, self.layers)
@@ -632,7 +633,7 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
 
 def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
     """Tell each oneDNN LayerChoice (in call order) which layout its src and dst have."""
-    convs = [c for c in layers if c.tactic == "onednn" and not c.layer.startswith("pool:")]
+    convs = [c for c in layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:"))]
     pools = [c for c in layers if c.tactic == "onednn" and c.layer.startswith("pool:")]
     conv_calls = [(v, found) for v, found in calls.items() if found[0] in _CONVS]
     pool_calls = [(v, found) for v, found in calls.items() if found[0] == onednn.POOL]
@@ -848,3 +849,48 @@ class _InPlace(relax.PyExprMutator):
                 return relax.TupleGetItem(self.visit_expr(old), keep.index(int(op.index)))
             return relax.TupleGetItem(self.visit_expr(old), 0)  # an absorbed piece: no reader left (DCE)
         return super().visit_tuple_getitem_(op)
+
+
+# ---------------------------------------------------------------------- the classifier
+def dense_layers(func: relax.Function, layers: list) -> relax.Function:
+    """``add(matmul(x, w), b)`` (x [N, K], w [K, M], b [M] or [1, M], float32; the imported
+    Gemm / Linear with its weight transposed) and a bare 2-d ``matmul`` -> ``layerfuse.onednn.dense``
+    (a oneDNN matmul primitive; TVM's untuned matmul is a plain loop nest)."""
+    bindings = _bindings(func)
+    values = {b.var: b.value for b in bindings}
+    uses = _uses(func)
+    chosen = {}
+    taken = set()  # matmuls folded into an add
+    for b in bindings:
+        v = b.value
+        if _op(v) == "relax.add" and isinstance(v.args[0], relax.Var) and _op(values.get(v.args[0])) == "relax.matmul":
+            mm, bias = values[v.args[0]], v.args[1]
+            m_shape = static_shape(v.args[0])
+            if uses.get(v.args[0]) != 1 or m_shape is None or static_shape(bias) not in ((m_shape[-1],), (1, m_shape[-1])):
+                continue
+            plan = _dense(mm, b.var, bias, layers)
+            if plan is not None:
+                chosen[v] = plan
+                taken.add(v.args[0])
+    for b in bindings:
+        if _op(b.value) == "relax.matmul" and b.var not in taken:
+            shape = static_shape(b.var)
+            if shape is not None and len(shape) == 2:
+                plan = _dense(b.value, b.var, relax.const(np.zeros([shape[1]], "float32")), layers)
+                if plan is not None:
+                    chosen[b.value] = plan
+    return _Replace(chosen).visit_expr(func) if chosen else func
+
+
+def _dense(mm: relax.Call, out, bias, layers: list) -> Optional[tuple]:
+    x, w = mm.args[0], mm.args[1]
+    xs, ws, ys = static_shape(x), static_shape(w), static_shape(out)
+    if xs is None or ws is None or ys is None or len(xs) != 2 or len(ws) != 2 or xs[1] != ws[0] or ys != (xs[0], ws[1]):
+        return None
+    if any(dtype_of(e) != "float32" for e in (x, w, bias, out)):
+        return None
+    kernel = onednn.dense_implementation(xs[0], xs[1], ws[1])
+    if kernel.startswith(("ref", "unsupported")):
+        return None
+    layers.append(LayerChoice(f"dense:{out.name}", "onednn", kernel=kernel, shape=f"x{list(xs)} w{list(ws)}"))
+    return onednn.DENSE, [x, w, relax.op.reshape(bias, [ws[1]])], relax.TensorType(list(ys), "float32")
