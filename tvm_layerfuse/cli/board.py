@@ -30,11 +30,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--port", type=int, default=9091)
         p.add_argument("--tracker", metavar="HOST:PORT", help="register with this tracker")
         p.add_argument("--key", default="", help="the key to register under (with --tracker)")
+        p.add_argument(
+            "--vta", action="store_true", help="serve vta artifacts: the VTA runtime (simulator) registered in the server"
+        )
         if role == "server":
             p.add_argument("--load-library", help="extra library to load, e.g. .../tvm/lib/libtvm_runtime_cuda.so")
-            p.add_argument(
-                "--vta", action="store_true", help="serve vta artifacts: the VTA runtime (simulator) registered in the server"
-            )
         else:
             p.add_argument(
                 "--cache", help=f"the board's directory (default ${ARM64_ENV} or ~/.cache/tvm_layerfuse/arm64-board)"
@@ -48,7 +48,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.role == "tracker":
             bp = start_tracker(host=args.host, port=args.port)
         elif args.role == "arm64":
-            bp = start_arm64_board(host=args.host, port=args.port, tracker=args.tracker, key=args.key, cache=args.cache)
+            bp = start_arm64_board(
+                host=args.host, port=args.port, tracker=args.tracker, key=args.key, cache=args.cache, vta=args.vta
+            )
         else:
             bp = start_server(
                 host=args.host, port=args.port, tracker=args.tracker, key=args.key, load_library=args.load_library,

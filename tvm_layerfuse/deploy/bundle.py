@@ -141,13 +141,7 @@ def make_bundle(
         site.mkdir()
         _install_packages(site, python=python, machine=machine, cache=cache)
         _prune(site)
-        pkg = site / "tvm_layerfuse"
-        pkg.mkdir()
-        here = Path(__file__).resolve().parents[1]
-        shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-        for name in LOADER + VTA_RUNTIME:
-            (pkg / name).parent.mkdir(exist_ok=True)
-            shutil.copy2(here / name, pkg / name)
+        copy_runtime(site)
         shutil.copytree(artifact_dir, tmp / "artifact", ignore=shutil.ignore_patterns(".*"))
         _write(tmp / "run.py", RUN_PY, executable=True)
         vta = manifest["target"].get("device") == "vta"  # its server runs the VTA runtime (simulator)
@@ -169,6 +163,20 @@ def make_bundle(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def copy_runtime(site: Path) -> Path:
+    """Copy tvm_layerfuse's runtime side (``RUNTIME_PACKAGE``, ``LOADER``, ``VTA_RUNTIME``) into
+    ``site/tvm_layerfuse``; with ``site`` on ``PYTHONPATH`` a runtime-only Python can load any
+    artifact and serve vta ones (``python -m tvm_layerfuse.vta.rpc_server``). Returns the package."""
+    pkg = Path(site) / "tvm_layerfuse"
+    pkg.mkdir()
+    here = Path(__file__).resolve().parents[1]
+    shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in LOADER + VTA_RUNTIME:
+        (pkg / name).parent.mkdir(exist_ok=True)
+        shutil.copy2(here / name, pkg / name)
+    return pkg
 
 
 def size_of(path: Path) -> dict[str, int]:
