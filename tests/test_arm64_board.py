@@ -148,3 +148,17 @@ def test_vta_artifact_for_an_aarch64_preset_runs_on_the_emulated_board(vta_model
     for name, value in expect.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     assert np.abs(expect[VTA_TENSOR]).max() > 0  # live: the VTA tensor is not all zeros
+
+
+def test_vta_on_a_board_set_up_by_an_older_script_says_to_run_it_again(tmp_path):
+    """An older board's python3 replaced PYTHONPATH, so the VTA server could not import the
+    runtime files: refused before anything starts, saying what to run."""
+    import json
+
+    (tmp_path / "board.json").write_text(json.dumps({"version": 1, "machine": "aarch64", "python": shutil.which("true")}))
+    with pytest.raises(board.BoardError) as e:
+        board.start_arm64_board(port=0, vta=True, cache=tmp_path)
+    assert str(e.value) == (
+        f"the emulated board in {str(tmp_path)!r} is version 1, --vta needs version 2 (its python3 must keep PYTHONPATH); "
+        "run scripts/setup_arm64_board.sh again (seconds, the downloads are cached)"
+    )

@@ -442,9 +442,11 @@ def start_arm64_board(
     env.pop("VIRTUAL_ENV", None)
     site = None
     if vta:
-        if int(board.get("version", 1)) < 2:  # its wrapper replaced PYTHONPATH instead of extending it
+        version = board.get("version", 1)
+        if not isinstance(version, int) or version < 2:  # its python3 replaced PYTHONPATH instead of extending it
             raise BoardError(
-                f"the emulated board in {str(arm64_board_dir(cache))!r} predates --vta; run {ARM64_SETUP} again (seconds)"
+                f"the emulated board in {str(arm64_board_dir(cache))!r} is version {version!r}, --vta needs version 2 "
+                f"(its python3 must keep PYTHONPATH); run {ARM64_SETUP} again (seconds, the downloads are cached)"
             )
         from .bundle import copy_runtime
 
