@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from typing import Optional, Sequence
@@ -44,6 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--port", type=int, default=9190)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a service manager: stop the server's group as Ctrl-C does
     try:
         if args.role == "tracker":
             bp = start_tracker(host=args.host, port=args.port)
@@ -59,9 +61,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LayerfuseError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # the half-started server was stopped by start_*
+        print("error: interrupted while the board started; nothing is running", file=sys.stderr)
+        return 130
     what = "tracker" if bp.role == "tracker" else f"RPC server ({bp.machine})"
-    print(f"{what} ready on {bp.host}:{bp.port}; log {bp.log_path}; Ctrl-C stops it", flush=True)
-    try:
+    try:  # a signal right after the line below (someone waiting for it) stops the server too
+        print(f"{what} ready on {bp.host}:{bp.port}; log {bp.log_path}; Ctrl-C stops it", flush=True)
         while bp.alive():
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -70,3 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bp.stop()
     print(f"error: the {bp.role} exited (status {bp.proc.returncode}); see {bp.log_path}", file=sys.stderr)
     return 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
