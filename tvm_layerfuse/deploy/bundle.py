@@ -28,7 +28,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -130,13 +129,7 @@ def make_bundle(
     if not python.replace(".", "").isdigit() or python.count(".") != 1:
         raise UsageError(f"--python {python!r} is not a version; expected MAJOR.MINOR such as 3.12")
     out = Path(out)
-    parent = artifact.output_parent(out, overwrite=force)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-    except OSError as e:
-        raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
-    tmp.chmod(0o755)
-    try:
+    with artifact.atomic_directory(out, overwrite=force, mode=0o755) as tmp:
         site = tmp / "site"
         site.mkdir()
         _install_packages(site, python=python, machine=machine, cache=cache)
@@ -156,12 +149,6 @@ def make_bundle(
                 machine=machine,
             ),
         )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
