@@ -96,25 +96,13 @@ class VTAConfig:
     block_in = block
     block_out = block
 
-    @property
-    def inp_elem_bytes(self) -> int:
-        return self.batch * self.block * self.inp_width // 8
-
-    @property
-    def wgt_elem_bytes(self) -> int:
-        return self.block * self.block * self.wgt_width // 8
-
-    @property
-    def acc_elem_bytes(self) -> int:
-        return self.batch * self.block * self.acc_width // 8
-
-    @property
-    def out_elem_bytes(self) -> int:
-        return self.batch * self.block * self.out_width // 8
-
-    @property
-    def uop_elem_bytes(self) -> int:
-        return UOP_WIDTH_BITS // 8
+    def elem_bytes(self, kind: str) -> int:
+        """Bytes of one element of buffer ``kind``: a micro-op (32 bits), or a ``[rows, block]``
+        tile of the kind's width (``rows``: the batch, or the block for a weight matrix)."""
+        if kind == "uop":
+            return UOP_WIDTH_BITS // 8
+        rows = self.block if kind == "wgt" else self.batch
+        return rows * self.block * getattr(self, f"{kind}_width") // 8
 
     def depth(self, kind: str) -> int:
         """Elements buffer ``kind`` (uop, inp, wgt, acc) holds: ``2**LOG_<KIND>_BUFF_SIZE`` bytes over one element's."""
@@ -124,6 +112,11 @@ class VTAConfig:
         """``log2(depth(kind))``: the width of an index into that buffer (``hw_spec.h``'s ``LOG_<KIND>_DEPTH``)."""
         return self.depth(kind).bit_length() - 1
 
+    inp_elem_bytes = property(lambda self: self.elem_bytes("inp"))
+    wgt_elem_bytes = property(lambda self: self.elem_bytes("wgt"))
+    acc_elem_bytes = property(lambda self: self.elem_bytes("acc"))
+    out_elem_bytes = property(lambda self: self.elem_bytes("out"))
+    uop_elem_bytes = property(lambda self: self.elem_bytes("uop"))
     uop_depth = property(lambda self: self.depth("uop"))
     inp_depth = property(lambda self: self.depth("inp"))
     wgt_depth = property(lambda self: self.depth("wgt"))
@@ -132,10 +125,6 @@ class VTAConfig:
     log_inp_depth = property(lambda self: self.log_depth("inp"))
     log_wgt_depth = property(lambda self: self.log_depth("wgt"))
     log_acc_depth = property(lambda self: self.log_depth("acc"))
-
-    def elem_bytes(self, kind: str) -> int:
-        """Bytes of one element of buffer ``kind`` (uop, inp, wgt, acc, out)."""
-        return getattr(self, f"{kind}_elem_bytes")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
