@@ -8,7 +8,8 @@
 #   DIR/site/      PyPI aarch64 wheels: apache-tvm (compiler library deleted: runtime only),
 #                  apache-tvm-ffi, numpy, ml_dtypes, typing_extensions, cloudpickle, psutil
 #   DIR/bin/python3  an x86 wrapper that runs the board's Python under qemu-aarch64-static
-#                  (no binfmt_misc needed), with TVM_USE_RUNTIME_LIB=1 and PYTHONPATH=DIR/site
+#                  (no binfmt_misc needed), with TVM_USE_RUNTIME_LIB=1 and DIR/site appended
+#                  to PYTHONPATH (a caller's PYTHONPATH comes first, as with any python3)
 #   DIR/board.json what tvm_layerfuse.board reads to start the board's RPC server
 #
 # DIR defaults to $TVM_LAYERFUSE_ARM64_BOARD or ~/.cache/tvm_layerfuse/arm64-board.
@@ -22,7 +23,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --cache) CACHE="$2"; shift 2 ;;
     --cache=*) CACHE="${1#--cache=}"; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1; expected --cache DIR" >&2; exit 2 ;;
   esac
 done
@@ -116,8 +117,9 @@ cat > "$WRAPPER.tmp" <<EOF
 # The emulated AArch64 board's Python (written by scripts/setup_arm64_board.sh).
 # An x86 script, so that sys.executable can point at it: TVM's RPC server re-executes
 # sys.executable, and without binfmt_misc the kernel cannot exec an AArch64 binary.
+# PYTHONPATH given by the caller (e.g. a bundle's site/) comes before the board's own site.
 export TVM_USE_RUNTIME_LIB=1
-export PYTHONPATH="$SITE"
+export PYTHONPATH="\${PYTHONPATH:+\$PYTHONPATH:}$SITE"
 export PYTHONNOUSERSITE=1
 exec "$QEMU" -L "$ROOT" "$ROOT/usr/bin/python3.11" "\$@"
 EOF
@@ -126,7 +128,7 @@ mv "$WRAPPER.tmp" "$WRAPPER"
 
 # ---------------------------------------------------------------- verify: runtime-only tvm on aarch64
 say "checking the board's python (import tvm under qemu)"
-report="$("$WRAPPER" -c '
+report="$(env -u PYTHONPATH "$WRAPPER" -c '
 import json, platform, sys
 import tvm, tvm_ffi, numpy
 from tvm import rpc  # noqa: F401  (the RPC server needs it)
@@ -150,7 +152,7 @@ if r["compiler"]:
 import json, os, sys, tempfile
 cache, report = sys.argv[1], json.loads(sys.argv[2])
 board = {
-    "format": "tvm_layerfuse.arm64-board", "version": 1, "machine": "aarch64",
+    "format": "tvm_layerfuse.arm64-board", "version": 2, "machine": "aarch64",
     "python": os.path.join(cache, "bin", "python3"), "root": os.path.join(cache, "root"),
     "site": os.path.join(cache, "site"), "versions": report,
 }

@@ -264,3 +264,29 @@ def test_failed_or_interrupted_compile_leaves_nothing(model_path, tmp_path):
     else:  # interrupted before the commit: exit 130, one line, nothing written
         assert proc.returncode == 130 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".interrupted")]
+
+
+def test_atomic_directory_commits_whole_or_leaves_nothing(tmp_path):
+    """The one home of "write beside, then rename" (artifacts and bundles): a block that fails
+    leaves no trace, one that ends commits; an existing output is replaced only with
+    ``overwrite``, and no staging or old directory stays behind."""
+    from tvm_layerfuse.errors import UsageError
+
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="half way"):
+        with artifact.atomic_directory(out) as tmp:
+            (tmp / "a").write_text("1")
+            raise RuntimeError("half way")
+    assert list(tmp_path.iterdir()) == []
+    with artifact.atomic_directory(out, mode=0o750) as tmp:
+        (tmp / "a").write_text("1")
+        assert not out.exists()
+    assert (out / "a").read_text() == "1" and out.stat().st_mode & 0o777 == 0o750
+    with pytest.raises(UsageError, match="already exists; remove it or pass --force"):
+        with artifact.atomic_directory(out):
+            pass
+    committed = []
+    with artifact.atomic_directory(out, overwrite=True, on_commit=lambda: committed.append(out.exists())) as tmp:
+        (tmp / "b").write_text("2")
+    assert committed == [True] and sorted(p.name for p in out.iterdir()) == ["b"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

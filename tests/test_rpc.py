@@ -416,3 +416,25 @@ def test_board_script_serves_until_interrupted(squeezenet):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_board_script_stops_its_server_on_sigterm():
+    """``kill`` (or a service manager) stops the board script as Ctrl-C does: exit 0, its
+    server's process group gone with it, not orphaned."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tvm_layerfuse.board", "server", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"RPC server \(\w+\) ready on 127\.0\.0\.1:(\d+)", line)
+        assert m, line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", int(m.group(1))), timeout=2).close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

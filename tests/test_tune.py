@@ -70,3 +70,24 @@ def test_missing_cost_model_is_refused_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(UsageError) as e:
         tune_model(tmp_path / "unused.onnx")
     assert "xgboost" in str(e.value) and "pip install xgboost-cpu" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_tune_measures_on_the_boards_of_a_tracker(tmp_path, monkeypatch):
+    """--tracker: MetaSchedule's RPC runner asks a real tracker for a board of the key and
+    measures there (the server's log shows the uploaded candidates being loaded)."""
+    from tvm_layerfuse.deploy import board
+
+    monkeypatch.setenv("TVM_LAYERFUSE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.onnx"
+    onnx.save(random_cnn(21, max_layers=4), str(path))
+    with board.start_tracker(port=0) as tracker:
+        with board.start_server(port=0, tracker=tracker.address, key="edge") as server:
+            host, port = tracker.address
+            result = tune_model(path, trials=4, tactics="tvm", progress=False, tracker=f"{host}:{port}", key="edge")
+            served = server.log_path.read_text()
+    assert result.trials >= 1 and has_database(result.database)
+    records = [json.loads(line) for line in (result.database / "database_tuning_record.json").read_text().splitlines()]
+    run_secs = [r[1][1] for r in records]  # [workload, [trace, run_secs, target, args_info]]
+    assert any(s and all(float(t) < 1e9 for t in s) for s in run_secs), run_secs  # measured, not failed (1e10)
+    assert "load_module" in served, served[-2000:]

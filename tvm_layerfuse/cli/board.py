@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from typing import Optional, Sequence
@@ -30,11 +31,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--port", type=int, default=9091)
         p.add_argument("--tracker", metavar="HOST:PORT", help="register with this tracker")
         p.add_argument("--key", default="", help="the key to register under (with --tracker)")
+        p.add_argument(
+            "--vta", action="store_true", help="serve vta artifacts: the VTA runtime (simulator) registered in the server"
+        )
         if role == "server":
             p.add_argument("--load-library", help="extra library to load, e.g. .../tvm/lib/libtvm_runtime_cuda.so")
-            p.add_argument(
-                "--vta", action="store_true", help="serve vta artifacts: the VTA runtime (simulator) registered in the server"
-            )
         else:
             p.add_argument(
                 "--cache", help=f"the board's directory (default ${ARM64_ENV} or ~/.cache/tvm_layerfuse/arm64-board)"
@@ -44,11 +45,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--port", type=int, default=9190)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, a service manager: stop the server's group as Ctrl-C does
     try:
         if args.role == "tracker":
             bp = start_tracker(host=args.host, port=args.port)
         elif args.role == "arm64":
-            bp = start_arm64_board(host=args.host, port=args.port, tracker=args.tracker, key=args.key, cache=args.cache)
+            bp = start_arm64_board(
+                host=args.host, port=args.port, tracker=args.tracker, key=args.key, cache=args.cache, vta=args.vta
+            )
         else:
             bp = start_server(
                 host=args.host, port=args.port, tracker=args.tracker, key=args.key, load_library=args.load_library,
@@ -57,9 +61,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LayerfuseError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # the half-started server was stopped by start_*
+        print("error: interrupted while the board started; nothing is running", file=sys.stderr)
+        return 130
     what = "tracker" if bp.role == "tracker" else f"RPC server ({bp.machine})"
-    print(f"{what} ready on {bp.host}:{bp.port}; log {bp.log_path}; Ctrl-C stops it", flush=True)
-    try:
+    try:  # a signal right after the line below (someone waiting for it) stops the server too
+        print(f"{what} ready on {bp.host}:{bp.port}; log {bp.log_path}; Ctrl-C stops it", flush=True)
         while bp.alive():
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -68,3 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bp.stop()
     print(f"error: the {bp.role} exited (status {bp.proc.returncode}); see {bp.log_path}", file=sys.stderr)
     return 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

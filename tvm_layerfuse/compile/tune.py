@@ -41,7 +41,7 @@ class TuneResult:
     seconds: float
 
 
-def _progress_callback(bar, budget: Optional[float], start: float):
+def _progress_callback(bar, budget: Optional[float], start: float, counted: list[int]):
     import tvm.s_tir.meta_schedule as ms
     from tvm.ir.utils import derived_object
 
@@ -53,6 +53,7 @@ def _progress_callback(bar, budget: Optional[float], start: float):
                 if r.error_msg is None and r.run_secs:
                     t = sum(float(x) for x in r.run_secs) / len(r.run_secs)
                     best = t if best is None else min(best, t)
+            counted[0] += len(runner_results)  # a disabled bar (progress=False) counts nothing
             bar.update(len(runner_results))
             if best is not None:
                 bar.set_postfix_str(f"task {task_id}: best {best * 1e3:.3f} ms")
@@ -132,6 +133,7 @@ def tune_model(
         runner = ms.runner.RPCRunner(rpc_config=config)
     contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
     start = time.monotonic()
+    counted = [0]
     with tqdm(total=trials, disable=not progress, unit="trial", desc=f"tune {len(tasks)} tasks") as bar:
         ms.tune_tasks(
             tasks=contexts,
@@ -143,9 +145,9 @@ def tune_model(
             num_trials_per_iter=max(8, min(64, trials // len(contexts))),
             builder=builder,
             runner=runner,
-            measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(bar, budget, start)],
+            measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(bar, budget, start, counted)],
         )
-        done = bar.n
+        done = counted[0]
     seconds = time.monotonic() - start
     log.info("tuned %d tasks, %d trials in %.0f s; database %s", len(tasks), done, seconds, work_dir)
     return TuneResult(database=work_dir, tasks=len(tasks), trials=done, seconds=seconds)

@@ -4,7 +4,7 @@
 
     python -m tvm_layerfuse.board server  [--host 127.0.0.1] [--port 9091] [--tracker H:P --key K]
     python -m tvm_layerfuse.board tracker [--host 127.0.0.1] [--port 9190]
-    python -m tvm_layerfuse.board arm64   [--port 9091] [--tracker H:P --key K]   # emulated AArch64 board
+    python -m tvm_layerfuse.board arm64   [--port 9091] [--tracker H:P --key K] [--vta]   # emulated AArch64 board
 
 Each starts ``python -m tvm.exec.rpc_server`` (or ``rpc_tracker``) with
 ``TVM_USE_RUNTIME_LIB=1`` in a process group of its own, waits until it is ready
@@ -18,6 +18,9 @@ Each starts ``python -m tvm.exec.rpc_server`` (or ``rpc_tracker``) with
 ``scripts/setup_arm64_board.sh`` prepares (see :func:`arm64_board`). TVM's server starts its
 worker with ``sys.executable``; without binfmt_misc the kernel cannot exec an AArch64
 binary, so ``sys.executable`` is pointed at the tree's x86 wrapper script, which execs qemu.
+``arm64 --vta`` serves vta artifacts there: ``tvm_layerfuse.vta.rpc_server`` (the simulator
+standing in for the FPGA) with tvm_layerfuse's runtime files, as a bundle holds them
+(:func:`tvm_layerfuse.deploy.bundle.copy_runtime`), on the board's ``PYTHONPATH``.
 
 The default address is loopback. TVM RPC has no authentication: anyone who can reach the
 port can upload and run code. Binding beyond loopback (``--host 0.0.0.0``) is the user's
@@ -83,6 +86,7 @@ class BoardProcess:
     key: Optional[str] = None
     tracker: Optional[tuple[str, int]] = None
     _owns_log_dir: Optional[Path] = field(default=None, repr=False)
+    _owns_site: Optional[Path] = field(default=None, repr=False)  # files put on the server's PYTHONPATH
 
     @property
     def address(self) -> tuple[str, int]:
@@ -117,6 +121,8 @@ class BoardProcess:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refused
             log.warning("%s %s:%d (pid %d) did not exit after SIGKILL", self.role, self.host, self.port, self.proc.pid)
+        if self._owns_site is not None:
+            shutil.rmtree(self._owns_site, ignore_errors=True)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -418,25 +424,52 @@ def start_arm64_board(
     tracker: Union[None, str, Sequence[Any]] = None,
     key: str = "",
     cache: Union[None, str, os.PathLike] = None,
+    vta: bool = False,
     ready_timeout: float = 180.0,
     log_path: Optional[Path] = None,
 ) -> BoardProcess:
-    """Start the RPC server of the emulated AArch64 board (qemu-user; see the module docstring)."""
+    """Start the RPC server of the emulated AArch64 board (qemu-user; see the module docstring).
+
+    ``vta=True``: the VTA board server (``tvm_layerfuse.vta.rpc_server``, simulator device)
+    with tvm_layerfuse's runtime files copied, as into a bundle, to a temporary directory on
+    the board's ``PYTHONPATH`` (removed when the server stops).
+    """
     board = arm64_board(cache)
     wrapper = board["python"]
     env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # the wrapper sets the board's own site directory
+    env.pop("PYTHONPATH", None)  # this machine's paths mean nothing to the board's Python
     env.pop("PYTHONHOME", None)
     env.pop("VIRTUAL_ENV", None)
-    return start_server(
-        host=host,
-        port=port,
-        tracker=tracker,
-        key=key,
-        python=wrapper,
-        executable=wrapper,
-        env=env,
-        machine=board.get("machine", "aarch64"),
-        ready_timeout=ready_timeout,
-        log_path=log_path,
-    )
+    site = None
+    if vta:
+        version = board.get("version", 1)
+        if not isinstance(version, int) or version < 2:  # its python3 replaced PYTHONPATH instead of extending it
+            raise BoardError(
+                f"the emulated board in {str(arm64_board_dir(cache))!r} is version {version!r}, --vta needs version 2 "
+                f"(its python3 must keep PYTHONPATH); run {ARM64_SETUP} again (seconds, the downloads are cached)"
+            )
+        from .bundle import copy_runtime
+
+        site = Path(tempfile.mkdtemp(prefix="tvm_layerfuse_board_site_"))
+        copy_runtime(site)
+        env["PYTHONPATH"] = str(site)  # the wrapper appends the board's own site (TVM's runtime, numpy)
+    try:
+        bp = start_server(
+            host=host,
+            port=port,
+            tracker=tracker,
+            key=key,
+            python=wrapper,
+            executable=wrapper,
+            env=env,
+            machine=board.get("machine", "aarch64"),
+            ready_timeout=ready_timeout,
+            log_path=log_path,
+            module="tvm_layerfuse.vta.rpc_server" if vta else "tvm.exec.rpc_server",
+        )
+    except BaseException:
+        if site is not None:
+            shutil.rmtree(site, ignore_errors=True)
+        raise
+    bp._owns_site = site
+    return bp

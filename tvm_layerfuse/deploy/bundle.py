@@ -28,7 +28,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -130,24 +129,12 @@ def make_bundle(
     if not python.replace(".", "").isdigit() or python.count(".") != 1:
         raise UsageError(f"--python {python!r} is not a version; expected MAJOR.MINOR such as 3.12")
     out = Path(out)
-    parent = artifact.output_parent(out, overwrite=force)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-    except OSError as e:
-        raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
-    tmp.chmod(0o755)
-    try:
+    with artifact.atomic_directory(out, overwrite=force, mode=0o755) as tmp:
         site = tmp / "site"
         site.mkdir()
         _install_packages(site, python=python, machine=machine, cache=cache)
         _prune(site)
-        pkg = site / "tvm_layerfuse"
-        pkg.mkdir()
-        here = Path(__file__).resolve().parents[1]
-        shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-        for name in LOADER + VTA_RUNTIME:
-            (pkg / name).parent.mkdir(exist_ok=True)
-            shutil.copy2(here / name, pkg / name)
+        copy_runtime(site)
         shutil.copytree(artifact_dir, tmp / "artifact", ignore=shutil.ignore_patterns(".*"))
         _write(tmp / "run.py", RUN_PY, executable=True)
         vta = manifest["target"].get("device") == "vta"  # its server runs the VTA runtime (simulator)
@@ -162,13 +149,21 @@ def make_bundle(
                 machine=machine,
             ),
         )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
+
+
+def copy_runtime(site: Path) -> Path:
+    """Copy tvm_layerfuse's runtime side (``RUNTIME_PACKAGE``, ``LOADER``, ``VTA_RUNTIME``) into
+    ``site/tvm_layerfuse``; with ``site`` on ``PYTHONPATH`` a runtime-only Python can load any
+    artifact and serve vta ones (``python -m tvm_layerfuse.vta.rpc_server``). Returns the package."""
+    pkg = Path(site) / "tvm_layerfuse"
+    pkg.mkdir()
+    here = Path(__file__).resolve().parents[1]
+    shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in LOADER + VTA_RUNTIME:
+        (pkg / name).parent.mkdir(exist_ok=True)
+        shutil.copy2(here / name, pkg / name)
+    return pkg
 
 
 def size_of(path: Path) -> dict[str, int]:

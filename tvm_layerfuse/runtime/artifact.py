@@ -14,6 +14,7 @@ library is loaded, and nothing in an artifact is ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -23,7 +24,7 @@ import signal
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..errors import ArtifactError, UsageError
 
@@ -175,6 +176,37 @@ def output_parent(out: Path, *, overwrite: bool) -> Path:
     return parent
 
 
+@contextlib.contextmanager
+def atomic_directory(
+    out: Path,
+    *,
+    overwrite: bool = False,
+    mode: Optional[int] = None,
+    on_commit: Optional[Callable[[], None]] = None,
+) -> Iterator[Path]:
+    """A temporary directory beside ``out`` that becomes ``out`` when the block ends.
+
+    ``with atomic_directory(out) as tmp:`` - fill ``tmp``; when the block ends normally it is
+    renamed to ``out`` (replacing an old ``out`` only with ``overwrite``: ``--force``), then
+    ``on_commit()`` runs (see :func:`_commit` for Ctrl-C then). On any exception (or Ctrl-C)
+    before the rename ``tmp`` is removed and nothing is left at ``out``. ``mode``: the
+    directory's permissions (default ``0o777`` less the umask: an ordinary directory, not
+    mkdtemp's private one). The checks of ``out`` are :func:`output_parent`'s."""
+    out = Path(out)
+    parent = output_parent(out, overwrite=overwrite)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        tmp.chmod(0o777 & ~_umask() if mode is None else mode)
+    except OSError as e:
+        raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
+    try:
+        yield tmp
+        _commit(tmp, out, on_commit)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_artifact(
     out: Path,
     fill: Callable[[Path], dict[str, Any]],
@@ -182,7 +214,7 @@ def write_artifact(
     overwrite: bool = False,
     on_commit: Optional[Callable[[], None]] = None,
 ) -> Path:
-    """Create the artifact directory ``out`` atomically.
+    """Create the artifact directory ``out`` atomically (:func:`atomic_directory`).
 
     ``fill(tmpdir)`` writes the files into a temporary directory beside ``out`` and returns
     the manifest (without ``files``); checksums are added here, then the directory is
@@ -190,23 +222,16 @@ def write_artifact(
     ``out``; ``on_commit()`` runs right after it (see :func:`_commit` for Ctrl-C then).
     """
     out = Path(out)
-    parent = output_parent(out, overwrite=overwrite)
-    if out.exists() and not (out / MANIFEST).exists():
+    if overwrite and out.exists() and not (out / MANIFEST).exists():
         raise UsageError(f"output {str(out)!r} exists and is not an artifact; refusing to replace it - choose another -o")
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an artifact is an ordinary directory
+        with atomic_directory(out, overwrite=overwrite, on_commit=on_commit) as tmp:
+            manifest = fill(tmp)
+            manifest["files"] = {
+                p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST
+            }
+            _write_json(tmp / MANIFEST, manifest)
     except OSError as e:
-        raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
-    try:
-        manifest = fill(tmp)
-        manifest["files"] = {
-            p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST
-        }
-        _write_json(tmp / MANIFEST, manifest)
-        _commit(tmp, out, on_commit)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         advice = {
             errno.EFBIG: "raise the file-size limit (ulimit -f) or choose another -o",
             errno.EACCES: "choose a writable -o",
@@ -215,9 +240,6 @@ def write_artifact(
         raise UsageError(
             f"cannot write artifact {str(out)!r} ({e.strerror or e}); nothing was written - {advice}"
         ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

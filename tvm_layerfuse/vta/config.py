@@ -96,61 +96,35 @@ class VTAConfig:
     block_in = block
     block_out = block
 
-    @property
-    def inp_elem_bytes(self) -> int:
-        return self.batch * self.block * self.inp_width // 8
-
-    @property
-    def wgt_elem_bytes(self) -> int:
-        return self.block * self.block * self.wgt_width // 8
-
-    @property
-    def acc_elem_bytes(self) -> int:
-        return self.batch * self.block * self.acc_width // 8
-
-    @property
-    def out_elem_bytes(self) -> int:
-        return self.batch * self.block * self.out_width // 8
-
-    @property
-    def uop_elem_bytes(self) -> int:
-        return UOP_WIDTH_BITS // 8
-
-    @property
-    def uop_depth(self) -> int:
-        return (1 << self.LOG_UOP_BUFF_SIZE) // self.uop_elem_bytes
-
-    @property
-    def inp_depth(self) -> int:
-        return (1 << self.LOG_INP_BUFF_SIZE) // self.inp_elem_bytes
-
-    @property
-    def wgt_depth(self) -> int:
-        return (1 << self.LOG_WGT_BUFF_SIZE) // self.wgt_elem_bytes
-
-    @property
-    def acc_depth(self) -> int:
-        return (1 << self.LOG_ACC_BUFF_SIZE) // self.acc_elem_bytes
-
-    @property
-    def log_uop_depth(self) -> int:
-        return self.uop_depth.bit_length() - 1
-
-    @property
-    def log_inp_depth(self) -> int:
-        return self.inp_depth.bit_length() - 1
-
-    @property
-    def log_wgt_depth(self) -> int:
-        return self.wgt_depth.bit_length() - 1
-
-    @property
-    def log_acc_depth(self) -> int:
-        return self.acc_depth.bit_length() - 1
-
     def elem_bytes(self, kind: str) -> int:
-        """Bytes of one element of buffer ``kind`` (uop, inp, wgt, acc, out)."""
-        return getattr(self, f"{kind}_elem_bytes")
+        """Bytes of one element of buffer ``kind``: a micro-op (32 bits), or a ``[rows, block]``
+        tile of the kind's width (``rows``: the batch, or the block for a weight matrix)."""
+        if kind == "uop":
+            return UOP_WIDTH_BITS // 8
+        rows = self.block if kind == "wgt" else self.batch
+        return rows * self.block * getattr(self, f"{kind}_width") // 8
+
+    def depth(self, kind: str) -> int:
+        """Elements buffer ``kind`` (uop, inp, wgt, acc) holds: ``2**LOG_<KIND>_BUFF_SIZE`` bytes over one element's."""
+        return (1 << getattr(self, f"LOG_{kind.upper()}_BUFF_SIZE")) // self.elem_bytes(kind)
+
+    def log_depth(self, kind: str) -> int:
+        """``log2(depth(kind))``: the width of an index into that buffer (``hw_spec.h``'s ``LOG_<KIND>_DEPTH``)."""
+        return self.depth(kind).bit_length() - 1
+
+    inp_elem_bytes = property(lambda self: self.elem_bytes("inp"))
+    wgt_elem_bytes = property(lambda self: self.elem_bytes("wgt"))
+    acc_elem_bytes = property(lambda self: self.elem_bytes("acc"))
+    out_elem_bytes = property(lambda self: self.elem_bytes("out"))
+    uop_elem_bytes = property(lambda self: self.elem_bytes("uop"))
+    uop_depth = property(lambda self: self.depth("uop"))
+    inp_depth = property(lambda self: self.depth("inp"))
+    wgt_depth = property(lambda self: self.depth("wgt"))
+    acc_depth = property(lambda self: self.depth("acc"))
+    log_uop_depth = property(lambda self: self.log_depth("uop"))
+    log_inp_depth = property(lambda self: self.log_depth("inp"))
+    log_wgt_depth = property(lambda self: self.log_depth("wgt"))
+    log_acc_depth = property(lambda self: self.log_depth("acc"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,7 +134,7 @@ class VTAConfig:
         out = self.to_dict()
         out.update(
             block=self.block,
-            depths={k: getattr(self, f"{k}_depth") for k in ("uop", "inp", "wgt", "acc")},
+            depths={k: self.depth(k) for k in ("uop", "inp", "wgt", "acc")},
             elem_bytes={k: self.elem_bytes(k) for k in ("uop", "inp", "wgt", "acc", "out")},
         )
         return out
@@ -212,10 +186,10 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "VTA configuratio
             raise UsageError(f"{source}: {key} is {data[key]!r}; expected a string - fix the value")
     cfg = VTAConfig(**data)
     for kind in ("uop", "inp", "wgt", "acc"):
-        if getattr(cfg, f"{kind}_depth") < 16:
+        if cfg.depth(kind) < 16:
             raise UsageError(
                 f"{source}: LOG_{kind.upper()}_BUFF_SIZE={getattr(cfg, f'LOG_{kind.upper()}_BUFF_SIZE')} gives a "
-                f"{kind} buffer of {getattr(cfg, f'{kind}_depth')} elements; expected at least 16 - enlarge the buffer"
+                f"{kind} buffer of {cfg.depth(kind)} elements; expected at least 16 - enlarge the buffer"
             )
     problem = check_layout(cfg)
     if problem:

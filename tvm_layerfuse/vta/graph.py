@@ -85,8 +85,23 @@ class ConvOp:
         return [s.tensor for s in self.outputs]
 
 
+class _ReadsInputs:
+    """``reads``/``writes`` of an op with ``inputs`` and one ``output``."""
+
+    inputs: list[str]
+    output: str
+
+    @property
+    def reads(self) -> list[str]:
+        return list(self.inputs)
+
+    @property
+    def writes(self) -> list[str]:
+        return [self.output]
+
+
 @dataclass
-class EltwiseOp:
+class EltwiseOp(_ReadsInputs):
     name: str
     inputs: list[str]
     output: str
@@ -94,17 +109,9 @@ class EltwiseOp:
     on_vta: bool = True
     reason: Optional[str] = None
 
-    @property
-    def reads(self) -> list[str]:
-        return list(self.inputs)
-
-    @property
-    def writes(self) -> list[str]:
-        return [self.output]
-
 
 @dataclass
-class ConcatOp:
+class ConcatOp(_ReadsInputs):
     name: str
     inputs: list[str]
     output: str
@@ -112,17 +119,9 @@ class ConcatOp:
     on_vta: bool = True
     reason: Optional[str] = None
 
-    @property
-    def reads(self) -> list[str]:
-        return list(self.inputs)
-
-    @property
-    def writes(self) -> list[str]:
-        return [self.output]
-
 
 @dataclass
-class HostOp:
+class HostOp(_ReadsInputs):
     name: str
     layers: list[str]  # first-graph layers, in order
     inputs: list[str]
@@ -130,10 +129,6 @@ class HostOp:
     op_type: str = ""
     on_vta: bool = False
     reason: Optional[str] = None
-
-    @property
-    def reads(self) -> list[str]:
-        return list(self.inputs)
 
     @property
     def writes(self) -> list[str]:

@@ -92,9 +92,10 @@ class MemInsn(_Deps):
 
 
 @dataclass(frozen=True)
-class GemmInsn(_Deps):
-    """``acc[dst] += inp[src] . wgt[wgt]^T`` over the micro-ops ``[uop_bgn, uop_end)`` in two
-    nested loops (``reset_reg``: ``acc[dst] = 0`` instead)."""
+class _UopLoop(_Deps):
+    """The fields GEMM and ALU share (the common head of ``VTAGemInsn`` and ``VTAAluInsn``):
+    micro-ops ``[uop_bgn, uop_end)`` run in two nested loops whose indices add
+    ``i_out * factor_out + i_in * factor_in`` to each micro-op's ``dst``/``src`` index."""
 
     reset_reg: bool = False
     uop_bgn: int = 0
@@ -105,6 +106,13 @@ class GemmInsn(_Deps):
     dst_factor_in: int = 0
     src_factor_out: int = 0
     src_factor_in: int = 0
+
+
+@dataclass(frozen=True)
+class GemmInsn(_UopLoop):
+    """``acc[dst] += inp[src] . wgt[wgt]^T`` over the micro-ops ``[uop_bgn, uop_end)`` in two
+    nested loops (``reset_reg``: ``acc[dst] = 0`` instead)."""
+
     wgt_factor_out: int = 0
     wgt_factor_in: int = 0
 
@@ -112,18 +120,9 @@ class GemmInsn(_Deps):
 
 
 @dataclass(frozen=True)
-class AluInsn(_Deps):
+class AluInsn(_UopLoop):
     """``acc[dst] = op(acc[dst], imm if use_imm else acc[src])`` over the micro-ops."""
 
-    reset_reg: bool = False
-    uop_bgn: int = 0
-    uop_end: int = 0
-    iter_out: int = 1
-    iter_in: int = 1
-    dst_factor_out: int = 0
-    dst_factor_in: int = 0
-    src_factor_out: int = 0
-    src_factor_in: int = 0
     alu_opcode: int = ALU_ADD
     use_imm: bool = False
     imm: int = 0
