@@ -59,6 +59,10 @@ def test_tune_then_compile_applies_the_database(tmp_path, monkeypatch):
     for e, g in zip(run_onnxruntime(model, feeds), load(out).run(feeds).values()):
         assert rel_err(g, e) <= 1e-4
     np.testing.assert_equal(len(records) > 0, True)
+    tuning = json.loads((out / "manifest.json").read_text())["tuning"]  # the manifest says what was applied
+    assert tuning == {"database": str(result.database), "records": len(records), "workloads": len({json.loads(r)[0] for r in records})}
+    plain = compile_model(path, tmp_path / "plain", tactics="tvm", fuse=False, progress=False)
+    assert json.loads((plain / "manifest.json").read_text())["tuning"] is None  # TVM's own pipeline: untuned
 
 
 def test_missing_cost_model_is_refused_before_any_work(tmp_path, monkeypatch):
@@ -91,3 +95,15 @@ def test_tune_measures_on_the_boards_of_a_tracker(tmp_path, monkeypatch):
     run_secs = [r[1][1] for r in records]  # [workload, [trace, run_secs, target, args_info]]
     assert any(s and all(float(t) < 1e9 for t in s) for s in run_secs), run_secs  # measured, not failed (1e10)
     assert "load_module" in served, served[-2000:]
+
+
+@pytest.mark.slow
+def test_budget_ends_the_run_and_keeps_its_records(tmp_path, monkeypatch):
+    """--budget: once it is spent, every task still running is terminated (once: TVM's check
+    fails on a second termination) and the records measured so far stay in the database."""
+    monkeypatch.setenv("TVM_LAYERFUSE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.onnx"
+    onnx.save(random_cnn(0, max_layers=6), str(path))  # 2 convs, a pool, a gate: several tasks
+    result = tune_model(path, trials=64, budget=0.001, tactics="tvm", progress=False)
+    assert result.tasks >= 2, "the model must give several tasks, so that more batches come back after the budget"
+    assert 1 <= result.trials < 64 and has_database(result.database)

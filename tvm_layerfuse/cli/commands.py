@@ -157,13 +157,19 @@ def _inspect_artifact(path: Path, args: argparse.Namespace) -> int:
     manifest = read_manifest(path)
     target, tactics = manifest["target"], manifest.get("tactics")
     if args.json:
-        json.dump({"target": target, "tactics": tactics}, sys.stdout, indent=1)
+        json.dump({"target": target, "tactics": tactics, "tuning": manifest.get("tuning")}, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
     tvm_target = target.get("tvm_target") or {}
     portable = "portable" if target.get("portable", True) else "this CPU only: " + ", ".join(target.get("cpu_flags") or [])
     sys.stdout.write(f"artifact {path}: target {target.get('preset')} ({tvm_target.get('mcpu', 'generic')}, {portable})\n")
     sys.stdout.write(format_tactics(tactics) + "\n")
+    tuning = manifest.get("tuning")
+    sys.stdout.write(
+        f"tuning: {tuning['records']} records for {tuning['workloads']} kernels from {tuning['database']}\n"
+        if tuning
+        else "tuning: none (TVM's kernels as scheduled by default; `tune` writes a database that compile applies)\n"
+    )
     return 0
 
 
@@ -215,6 +221,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         tactics = manifest.get("tactics") or {}
         if tactics.get("counts"):
             print("tactics: " + ", ".join(f"{k} {v} layers" for k, v in sorted(tactics["counts"].items())))
+        tuning = manifest.get("tuning")
+        if tuning:
+            print(f"tuned kernels: {tuning['records']} records for {tuning['workloads']} kernels from {tuning['database']}")
         if fusion.get("plan"):
             c = fusion["plan"]
             print(

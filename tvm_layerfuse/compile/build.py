@@ -105,6 +105,9 @@ def compile_model(
                 savez(tmp / artifact.PARAMS, dict(zip(names, weights)))
                 manifest = _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
                 manifest["tactics"] = tactic_plan.manifest()
+                from .tune_database import applied_database, summary
+
+                manifest["tuning"] = summary(applied_database(spec.target, spec.host, fuse=fuse))  # None: untuned
                 return manifest
 
             artifact.write_artifact(Path(out), fill, overwrite=force, on_commit=on_commit)
@@ -196,10 +199,10 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
 
                 scope.enter_context(nvcc_fatbin(spec.arch))
             scope.enter_context(tgt)
-            from .tune_database import database_dir, has_database
+            from .tune_database import applied_database
 
-            db = database_dir(spec.target, spec.host)  # written by `tune` for this target
-            db = str(db) if fuse and has_database(db) else None
+            db = applied_database(spec.target, spec.host, fuse=fuse)  # written by `tune` for this target
+            db = str(db) if db is not None else None
             if db is not None:
                 log.info("applying the tuning database %s", db)
             pipeline = layerfuse_pipeline(tgt, database=db) if fuse else relax.get_default_pipeline(tgt)

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -58,10 +59,27 @@ def _progress_callback(bar, budget: Optional[float], start: float, counted: list
             if best is not None:
                 bar.set_postfix_str(f"task {task_id}: best {best * 1e3:.3f} ms")
             if budget is not None and time.monotonic() - start > budget:
-                for k in range(len(task_scheduler.tasks_)):
-                    task_scheduler.terminate_task(k)
+                for k, record in enumerate(task_scheduler.tasks_):
+                    if not record.is_terminated:  # terminating a task twice is a fatal check in TVM
+                        task_scheduler.terminate_task(k)
 
     return _Progress()
+
+
+@contextlib.contextmanager
+def _unnamed_handlers_detached(logger_name: str):
+    """MetaSchedule rebuilds its loggers from a dictConfig that names every handler already on
+    its logger, and fails on one without a name (an application's, or pytest's capture
+    handler after a first run in the same process): such handlers are detached meanwhile."""
+    logger = logging.getLogger(logger_name)
+    unnamed = [h for h in logger.handlers if h.get_name() is None]
+    for h in unnamed:
+        logger.removeHandler(h)
+    try:
+        yield
+    finally:
+        for h in unnamed:
+            logger.addHandler(h)
 
 
 def tune_model(
@@ -131,7 +149,8 @@ def tune_model(
             raise UsageError(f"--{'tracker' if tracker else 'rpc'} {tracker or rpc!r}: expected HOST:PORT")
         config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=60)
         runner = ms.runner.RPCRunner(rpc_config=config)
-    contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
+    with _unnamed_handlers_detached("tvm.s_tir.meta_schedule"):
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
     start = time.monotonic()
     counted = [0]
     with tqdm(total=trials, disable=not progress, unit="trial", desc=f"tune {len(tasks)} tasks") as bar:

@@ -27,3 +27,18 @@ def database_dir(target_dict: Mapping[str, Any], host: Optional[Mapping[str, Any
 def has_database(path: Path) -> bool:
     records = path / "database_tuning_record.json"
     return records.is_file() and records.stat().st_size > 0
+
+
+def applied_database(target_dict: Mapping[str, Any], host: Optional[Mapping[str, Any]] = None, *, fuse: bool = True) -> Optional[Path]:
+    """The database ``compile`` applies for this target (the fused pipeline only), or None."""
+    path = database_dir(target_dict, host)
+    return path if fuse and has_database(path) else None
+
+
+def summary(path: Optional[Path]) -> Optional[dict[str, Any]]:
+    """What the manifest records of an applied database: where it is, its records and kernels."""
+    if path is None:
+        return None
+    lines = [line for line in (path / "database_tuning_record.json").read_text().splitlines() if line.strip()]
+    workloads = {json.loads(line)[0] for line in lines}
+    return {"database": str(path), "records": len(lines), "workloads": len(workloads)}
