@@ -66,6 +66,32 @@ def _progress_callback(bar, budget: Optional[float], start: float, counted: list
     return _Progress()
 
 
+def alloc_random_arguments(session, device, args_info, alloc_repeat: int):
+    """MetaSchedule's argument allocation for a board, with the random data made here.
+
+    MetaSchedule fills the measured kernels' arguments with the board's
+    ``tvm.contrib.random.random_fill_for_measure``, which a runtime-only TVM (what boards
+    run) does not have; every measurement then fails. The values do not matter for timing:
+    they are drawn here (seeded) and copied over the RPC session. Runs in MetaSchedule's
+    runner worker process."""
+    import numpy as np
+    from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
+
+    rng = np.random.default_rng(0)
+
+    def fill(arg) -> None:
+        shape, dtype = tuple(int(d) for d in arg.shape), str(arg.dtype)
+        if dtype == "bool":
+            values = rng.integers(0, 2, shape).astype(bool)
+        elif dtype.startswith(("int", "uint")):
+            values = rng.integers(0, 8, shape).astype(dtype)
+        else:
+            values = rng.uniform(-1.0, 1.0, shape).astype(dtype)
+        arg.copyfrom(values)
+
+    return alloc_argument_common(fill, device, args_info, alloc_repeat)
+
+
 @contextlib.contextmanager
 def _unnamed_handlers_detached(logger_name: str):
     """MetaSchedule rebuilds its loggers from a dictConfig that names every handler already on
@@ -148,7 +174,7 @@ def tune_model(
         if not host or not port.isdigit():
             raise UsageError(f"--{'tracker' if tracker else 'rpc'} {tracker or rpc!r}: expected HOST:PORT")
         config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=60)
-        runner = ms.runner.RPCRunner(rpc_config=config)
+        runner = ms.runner.RPCRunner(rpc_config=config, f_alloc_argument=alloc_random_arguments)
     with _unnamed_handlers_detached("tvm.s_tir.meta_schedule"):
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
     start = time.monotonic()
