@@ -538,6 +538,29 @@ def test_interrupt_during_the_artifact_rename_is_held(tmp_path):
     assert set(json.loads((during / "manifest.json").read_text())["files"]) == {"model.so"}
 
 
+def test_interrupt_right_after_the_temporary_directory_is_made(tmp_path, monkeypatch):
+    """SIGINT the instant mkdtemp returns (before any clean-up can be in place): the interrupt
+    is held until the directory is registered, so the command line's clean-up removes it."""
+    from tvm_layerfuse.runtime import artifact
+
+    real = artifact.tempfile.mkdtemp
+
+    def mkdtemp_then_interrupt(*a, **kw):
+        path = real(*a, **kw)
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C lands here
+        return path
+
+    monkeypatch.setattr(artifact.tempfile, "mkdtemp", mkdtemp_then_interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            artifact.write_artifact(tmp_path / "out", lambda t: {"format": "tvm_layerfuse.artifact"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    artifact.remove_unfinished()  # what the command line does before "nothing was written"
+    nothing_written(tmp_path / "out")
+
+
 # ---------------------------------------------------------------------- artifacts
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -369,6 +369,9 @@ def _say_interrupted() -> None:
     from .. import native_output
 
     native_output.restore()
+    from ..runtime.artifact import remove_unfinished
+
+    remove_unfinished()  # "nothing was written": also where Ctrl-C cut a clean-up short
     print(INTERRUPTED, file=sys.stderr)
 
 

@@ -194,17 +194,53 @@ def atomic_directory(
     mkdtemp's private one). The checks of ``out`` are :func:`output_parent`'s."""
     out = Path(out)
     parent = output_parent(out, overwrite=overwrite)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-        tmp.chmod(0o777 & ~_umask() if mode is None else mode)
-    except OSError as e:
-        raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
+    with _sigint_held():  # the directory exists only once it is registered for removal
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+            _UNFINISHED.add(tmp)
+            tmp.chmod(0o777 & ~_umask() if mode is None else mode)
+        except OSError as e:
+            raise UsageError(f"cannot write into {str(parent)!r} ({e.strerror}); choose a writable -o") from None
     try:
         yield tmp
         _commit(tmp, out, on_commit)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _UNFINISHED.discard(tmp)
+
+
+# Temporary directories of this process that are neither renamed into place nor removed yet. A
+# Ctrl-C can land between any two bytecodes, also inside the ``with`` machinery around
+# atomic_directory's clean-up; the command line removes whatever is left here before it says
+# "nothing was written" (remove_unfinished). After the rename the path no longer exists.
+_UNFINISHED: set[Path] = set()
+
+
+def remove_unfinished() -> None:
+    """Remove the temporary directories an interrupted write of this process left behind."""
+    for tmp in list(_UNFINISHED):
+        shutil.rmtree(tmp, ignore_errors=True)
+        _UNFINISHED.discard(tmp)
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """SIGINT recorded instead of raised inside the block (main thread, Python handler only),
+    and delivered to the handler in place when the block ends."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    if held:
+        handler(signal.SIGINT, None)
 
 
 def write_artifact(
