@@ -112,7 +112,8 @@ fi
 # ---------------------------------------------------------------- the board's python
 mkdir -p "$CACHE/bin"
 WRAPPER="$CACHE/bin/python3"
-cat > "$WRAPPER.tmp" <<EOF
+WRAPPER_TMP="$(mktemp "$WRAPPER.XXXXXX")"  # its own file: set-ups running at once each rename a whole one
+cat > "$WRAPPER_TMP" <<EOF
 #!/bin/sh
 # The emulated AArch64 board's Python (written by scripts/setup_arm64_board.sh).
 # An x86 script, so that sys.executable can point at it: TVM's RPC server re-executes
@@ -123,8 +124,8 @@ export PYTHONPATH="\${PYTHONPATH:+\$PYTHONPATH:}$SITE"
 export PYTHONNOUSERSITE=1
 exec "$QEMU" -L "$ROOT" "$ROOT/usr/bin/python3.11" "\$@"
 EOF
-chmod +x "$WRAPPER.tmp"
-mv "$WRAPPER.tmp" "$WRAPPER"
+chmod 755 "$WRAPPER_TMP"
+mv "$WRAPPER_TMP" "$WRAPPER"
 
 # ---------------------------------------------------------------- verify: runtime-only tvm on aarch64
 say "checking the board's python (import tvm under qemu)"
