@@ -412,16 +412,15 @@ def check_case(
         from ..compile.tactics import onednn
 
         if onednn.availability() is None:  # the tactic choice: what `compile` builds with oneDNN
-            import tvm
-
             from ..compile.tactics.use_onednn import UseOneDNNConv
             from ..lowering import layerfuse_pipeline
+            from ..relax._ir import tvm_compile
             from ..relax.pipeline import run
 
             try:
                 with tgt:
                     mod = UseOneDNNConv()(fused_mod)
-                    ex = tvm.compile(mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
+                    ex = tvm_compile(mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))  # as `compile` builds
                 got = run(ex, inputs)
             except Exception as e:
                 result.findings.append(Finding("tactics-crash", _error_line(e) + _where(e)))
