@@ -152,7 +152,7 @@ class UseOneDNNConv:
                 mod[gv] = assign_layouts(pools_and_concats(dense_layers(func, self.layers), self.layers), self.layers)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
-                mod[gv] = concats_in_place(func, self.layers)
+                mod[gv] = concats_in_place(prologues_read_pieces(func, self.layers), self.layers)
         mod = relax.transform.DeadCodeElimination()(mod)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
@@ -687,9 +687,63 @@ class _SetLayouts(relax.PyExprMutator):
         return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
 
 
+# ---------------------------------------------------------------------- prologues read the pieces
+def prologues_read_pieces(func: relax.Function, layers: list) -> relax.Function:
+    """``layerfuse.onednn.concat(x_1, ..., x_k)`` read only as the input of ``conv2d_pre``
+    calls -> those calls read ``x_1, ..., x_k`` and the concat is dead (see the module doc):
+    the prologue writes the normalised concatenation into its scratch, piece by piece.
+
+    Left to :func:`concats_in_place` instead: a batch-1 concat whose every piece a oneDNN conv
+    makes for it alone (each conv writes its channel range, no copy and one call for all)."""
+    bindings = _bindings(func)
+    values = {b.var: b.value for b in bindings}
+    uses = _uses(func)
+    calls = {b.var: _onednn_call(b.value) for b in bindings if _onednn_call(b.value) is not None}
+    readers: dict = {}  # concat var -> [conv2d_pre calls reading it as their input]
+    for v, (name, args) in calls.items():
+        if name == onednn.FUNCTIONS["conv2d_pre"] and isinstance(args[0], relax.Var):
+            readers.setdefault(args[0], []).append(values[v])
+    pieces = {}  # conv2d_pre call -> the pieces it reads
+    for b in bindings:
+        found = calls.get(b.var)
+        if found is None or found[0] != onednn.CONCAT or uses.get(b.var, 0) != len(readers.get(b.var, [])):
+            continue  # not a concat, or read by something other than a prologue (or by the caller)
+        items = found[1]
+        if static_shape(b.var)[0] == 1 and len(set(items)) == len(items):
+            if all(_member(x, values, calls, uses) is not None for x in items):
+                continue  # every piece made in place by its conv: concats_in_place's
+        for call in readers[b.var]:
+            pieces[call] = items
+        for c in layers:
+            if c.layer == f"concat:{b.var.name}":
+                k, n = len(items), len(readers[b.var])
+                c.tactic = "read by prologues"
+                c.kernel = f"{k} piece{'s' * (k > 1)} normalised into the scratch of {n} conv prologue{'s' * (n > 1)}, no copy"
+    return _ReadPieces(pieces).visit_expr(func) if pieces else func
+
+
+@relax.expr_functor.mutator
+class _ReadPieces(relax.PyExprMutator):
+    def __init__(self, pieces: dict) -> None:
+        super().__init__()
+        self.pieces = pieces  # conv2d_pre call -> its input's pieces
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        items = self.pieces.get(call)
+        if items is None:
+            return super().visit_call_(call)
+        args = [self.visit_expr(a) for a in [*items, *list(call.args[1].fields)[1:]]]
+        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
+
+
 # ---------------------------------------------------------------------- concatenation in place
 _KINDS = {onednn.FUNCTIONS["conv2d"]: 1, onednn.FUNCTIONS["conv2d_pre"]: 2, onednn.FUNCTIONS["conv2d_add"]: 3}
-_WEIGHT_AT = {1: 1, 2: 3, 3: 1}  # where the weight is among a conv call's arguments
+
+
+def _weight_at(kind: int, args: list) -> int:
+    """Where the weight is among a conv call's arguments: (x, w, b, attrs), (x_1, ..., x_k, s,
+    t, w, b, attrs), (x, w, b, r, attrs)."""
+    return 1 if kind == 3 else len(args) - 3
 
 
 def _bound_constant(expr, values: dict) -> Optional[np.ndarray]:
@@ -786,7 +840,7 @@ def _member(x, values: dict, calls: dict, uses: dict):
         attrs = [int(a) for a in args[-1].values]
         blocked = (attrs[11] >> j) & 1
         attrs[11] = blocked
-        w_at = _WEIGHT_AT[kind]
+        w_at = _weight_at(kind, args)
         member = list(args)
         member[w_at] = _rows(args[w_at], [(lo, hi)], values)
         member[w_at + 1] = _rows(args[w_at + 1], [(lo, hi)], values)
@@ -808,7 +862,7 @@ def _merged_rows(name: str, args: list, out_types: list, keep: list, values: dic
         bounds.append((lo, lo + static_shape_of(t)[1]))
         lo += static_shape_of(t)[1]
     ranges = [bounds[j] for j in keep]
-    w_at = _WEIGHT_AT[_KINDS[name]]
+    w_at = _weight_at(_KINDS[name], args)
     new = list(args)
     new[w_at] = _rows(args[w_at], ranges, values)
     new[w_at + 1] = _rows(args[w_at + 1], ranges, values)
