@@ -124,12 +124,14 @@ class UseOneDNNConv:
 
     ``params`` gives the values of ``main``'s weight parameters (clip bounds may be
     parameters of an unbound module); ``only`` restricts the layers that may use oneDNN
-    (names as in ``pass.layers``), None allows all.
+    (names as in ``pass.layers``), None allows all; ``pieces=False`` keeps the concats that
+    conv prologues read (:func:`prologues_read_pieces` off: the layout before it, to compare).
     """
 
-    def __init__(self, *, params: Optional[Mapping[str, Any]] = None, only: Optional[set] = None) -> None:
+    def __init__(self, *, params: Optional[Mapping[str, Any]] = None, only: Optional[set] = None, pieces: bool = True) -> None:
         self.params = dict(params or {})
         self.only = only
+        self.pieces = pieces
         self.layers: list[LayerChoice] = []
         self.bound: dict = {}  # var -> value in the function being rewritten (clip bounds)
 
@@ -152,7 +154,9 @@ class UseOneDNNConv:
                 mod[gv] = assign_layouts(pools_and_concats(dense_layers(func, self.layers), self.layers), self.layers)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
-                mod[gv] = concats_in_place(prologues_read_pieces(func, self.layers), self.layers)
+                if self.pieces:
+                    func = prologues_read_pieces(func, self.layers)
+                mod[gv] = concats_in_place(func, self.layers)
         mod = relax.transform.DeadCodeElimination()(mod)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
@@ -738,6 +742,50 @@ class _ReadPieces(relax.PyExprMutator):
 
 # ---------------------------------------------------------------------- concatenation in place
 _KINDS = {onednn.FUNCTIONS["conv2d"]: 1, onednn.FUNCTIONS["conv2d_pre"]: 2, onednn.FUNCTIONS["conv2d_add"]: 3}
+
+
+@dataclass(frozen=True)
+class LibraryWrites:
+    """Bytes one library call writes per inference: into its outputs, computed (``computed``)
+    or copied (``copied``: a concat's pieces), and into its own scratch (``scratch``: the
+    normalised input of a conv prologue)."""
+
+    computed: int
+    copied: int
+    scratch: int
+
+
+def _nbytes(expr) -> int:
+    shape = static_shape(expr)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype_of(expr)).itemsize if shape is not None else 0
+
+
+def library_writes(call) -> Optional[LibraryWrites]:
+    """What a ``call_dps_packed`` into this library writes (None for any other expression)."""
+    found = _onednn_call(call)
+    if found is None:
+        return None
+    name, args = found
+    out = sum(_nbytes(f) for f in call.ty.fields) if isinstance(call.ty, relax.TupleType) else _nbytes(call)
+    if name == onednn.CONCAT:
+        return LibraryWrites(0, out, 0)
+    if name == onednn.FUNCTIONS["conv2d_pre"]:  # the pieces x_1..x_k, normalised
+        return LibraryWrites(out, 0, sum(_nbytes(x) for x in args[:-5]))
+    if name != onednn.CONCAT_CONVS:
+        return LibraryWrites(out, 0, 0)
+    spec, rest = [int(v) for v in args[0].values], args[1:]
+    copied = scratch = a = 0
+    for kind in spec[1::2]:
+        if kind == 0:
+            copied += _nbytes(rest[a])
+            a += 1
+        elif kind == 2:  # up to its attrs, the first shape
+            end = next(i for i in range(a, len(rest)) if isinstance(rest[i], relax.ShapeExpr))
+            scratch += sum(_nbytes(x) for x in rest[a : end - 4])
+            a = end + 1
+        else:
+            a += 4 if kind == 1 else 5
+    return LibraryWrites(out - copied, copied, scratch)
 
 
 def _weight_at(kind: int, args: list) -> int:
