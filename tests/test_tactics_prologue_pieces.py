@@ -77,3 +77,48 @@ def test_dense_layers_read_the_pieces_of_their_input(batch, width):
         assert report["kernels"] < copied["kernels"], (report["kernels"], copied["kernels"])
         assert written < copied_written and report["concat_bytes_copied"] < copied["concat_bytes_copied"]
         assert report["activation_bytes"] <= copied["activation_bytes"]
+
+
+def _pieces_into_block(seed: int):
+    """y = concat(a, c) read by a pre-activation conv p (c = conv(a): a has other readers, so
+    y's pieces are read by p's prologue); p's output is a piece of z = concat(p, a), which a
+    pool reads: p writes its channels of z in place (a member of kind 2 reading two pieces)."""
+    from tvm_layerfuse.testing._builder import NetBuilder
+
+    b = NetBuilder("pieces_into_block", seed=seed)
+    x = b.input("input", (1, 16, 12, 12))
+    with b.scope("a"):
+        a = b.relu(b.conv(x, 16, 3, pad=1))
+    with b.scope("c"):
+        c = b.relu(b.conv(a, 32, 3, pad=1))
+    with b.scope("n1"):
+        y = b.relu(b.batchnorm(b.concat([a, c])))
+    with b.scope("p"):
+        p = b.relu(b.conv(y, 32, 1))
+    z = b.concat([p, a])
+    with b.scope("q"):
+        q = b.flatten(b.global_avgpool(b.relu(b.conv(z, 16, 3, pad=1))))
+    z = b.concat([b.flatten(b.global_avgpool(z)), q])
+    with b.scope("fc"):
+        out = b.linear(z, 10)
+    return b.build({"output": out})
+
+
+def test_a_prologue_reading_pieces_writes_its_channels_of_another_concat():
+    from tvm_layerfuse.compile.tactics.use_onednn import library_writes
+
+    model = _pieces_into_block(seed=41)
+    assert_live(model)
+    mod, ex, report, _, _ = _build(model, pieces=True)
+    bindings = {b.var: b.value for block in mod["main"].body.blocks for b in block.bindings}
+    (block,) = [v for v, name, _ in _calls(mod) if name == onednn.CONCAT_CONVS]
+    spec = [int(s) for s in bindings[block].args[1].fields[0].values]
+    assert spec[1::2] == [2, 0], spec  # the prologue conv writes channels [0, 32), a is copied to [32, 48)
+    writes = library_writes(bindings[block])
+    assert writes.scratch == 48 * 12 * 12 * 4 and writes.copied == 16 * 12 * 12 * 4, writes  # a and c, normalised
+    # the executable's count agrees: a's copy and the head's concat of the pooled 48 + 16 features
+    assert report["concat_bytes_copied"] == writes.copied + 64 * 4, report
+    feeds = zoo.random_inputs(model, seed=7)
+    got = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in feeds.values()])
+    problems = output_mismatches(run_onnxruntime(model, feeds), [(got if hasattr(got, "numpy") else got[0]).numpy()])
+    assert not problems, problems
