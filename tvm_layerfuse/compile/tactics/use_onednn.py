@@ -38,6 +38,21 @@ global average (``mean`` over H, W with keepdims, ``adaptive_avg_pool2d`` to 1x1
 ``layerfuse.onednn.pool2d``; a channel concat -> ``layerfuse.onednn.concat`` (one ``memcpy``
 per piece and image: TVM's in-place concat only moves TVM kernels' outputs).
 
+Prologues read a concat's pieces. A concat read only as the input of pre-activation convs
+(DenseNet's dense layers and transitions: ``concat(x_0, y_1, ..., y_k)``, each piece read by
+every later layer of the block, so no conv can write it in place) is not materialised: with
+``x = concat_i(x_i)`` on channels, ``s = concat_i(s_i)``, ``t = concat_i(t_i)`` (``s_i``, ``t_i``:
+the piece's channel range ``[c_i, c_i + C_i)``), per channel::
+
+    conv(relu(concat_i(x_i) * s + t), W)  ==  conv(concat_i(relu(x_i * s_i + t_i)), W)
+
+so ``layerfuse.onednn.conv2d_pre(x_1, ..., x_k, s, t, W, b, attrs)`` normalises each piece
+straight into its channel range of the prologue's scratch (which it writes anyway) and runs
+the conv on that, as TVM's FuseOps fuses concat + BatchNorm + ReLU into one kernel: the
+concat's copies and its buffer are gone (:func:`prologues_read_pieces`). A concat whose
+pieces convs make for it alone stays with :func:`concats_in_place` (no copy either, and one
+call for all of them); one with any other reader stays a concat.
+
 Layout (per tensor: plain NCHW or oneDNN's blocked ``nChw16c``, same size and Relax type).
 Tensors that must share a layout form classes: a concat's inputs and output (per image,
 channels ``[c, c + C)`` of an ``nChw16c`` tensor are the contiguous range ``[c*H*W, (c+C)*H*W)``
@@ -57,7 +72,8 @@ bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_inf
 ``ref:``); otherwise ``tvm`` (TVM's own kernel), with the reason. ``pass.layers`` lists
 every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout"}``: conv layers,
 pools (``pool:<var>``, tactic ``onednn``), the classifier (``dense:<var>``: ``x @ w + b`` as a
-oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, or ``in-place``).
+oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, ``in-place``, or ``read by
+prologues``).
 """
 
 from __future__ import annotations
