@@ -52,7 +52,7 @@ def _build(model, *, pieces: bool):
     ],
 )
 def test_dense_layers_read_the_pieces_of_their_input(batch, width):
-    model = zoo.densenet121(width=width, image=32, seed=30 + batch, block_config=(3, 2), batch=batch)
+    model = zoo.densenet121(width=width, image=40, seed=30 + batch, block_config=(3, 2), batch=batch)  # 10x10, 5x5
     assert_live(model)
     mod, ex, report, written, layers = _build(model, pieces=True)
 

@@ -3,8 +3,8 @@
 The layers are the fused conv functions of :mod:`tvm_layerfuse.relax.fuse_epilogue`
 (``layerfuse_conv2d_*``) and :mod:`tvm_layerfuse.relax.fuse_prologue` (``layerfuse_bn_relu_*``:
 the conv reads ``relu(x * s + t)``, s and t per channel, as DenseNet's pre-activation
-BatchNorm + ReLU; ``layerfuse.onednn.conv2d_pre`` computes it with a oneDNN binary primitive,
-mul with post-ops add and relu, before the conv, in one call) and the bare ``R.nn.conv2d`` calls left in ``main`` (unfused
+BatchNorm + ReLU; ``layerfuse.onednn.conv2d_pre`` computes it into a scratch buffer, a
+vectorised loop, before the conv, in one call) and the bare ``R.nn.conv2d`` calls left in ``main`` (unfused
 models, convs without an epilogue). Per output element, NCHW::
 
     y = act( conv2d(x, W) + b [+ r] )          W, b: BatchNorm already folded in
