@@ -9,7 +9,7 @@
     --tactics tvm      TVM's own kernels only
 
 Within ``onednn``, each layer is chosen by the rule in :mod:`.use_onednn` (oneDNN when it
-has an optimised kernel for the layer, else TVM). :func:`apply_tactics` returns the
+has an optimised kernel for the layer, else TVM; direct or Winograd convolution by timing). :func:`apply_tactics` returns the
 rewritten module and a :class:`TacticPlan`: every layer's choice (for the manifest,
 ``inspect`` and the report) and the tactic library the artifact must carry.
 """
@@ -128,5 +128,7 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
         lines.append("  " + ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))
     for c in info.get("layers") or []:
         detail = c.get("kernel") or c.get("reason") or ""
+        if c.get("timing"):
+            detail += f" ({c['timing']})"
         lines.append(f"  {c.get('layer', '?'):<40} {c.get('tactic', '?'):<7} {c.get('shape', ''):<32} {detail}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@
                               (tvm_ffi.cpp.build: tvm-ffi headers + oneDNN, -ldnnl)
     load()                    build + dlopen: registers layerfuse.onednn.* as global functions
     implementation(...)       the oneDNN kernel a conv layer gets on this machine
+    time_conv(...)            the median time of a conv layer here (the algorithm choice)
     pool_implementation(...)  the same for a pooling layer
     float_bits(v)             a float32's bits as an integer (how attrs carry alpha and beta)
 
@@ -153,6 +154,16 @@ def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequen
     f = tvm_ffi.get_global_func("layerfuse.onednn.implementation")
     shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs)]
     return str(f(*shapes, bool(residual)))
+
+
+def time_conv(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool, reps: int = 5) -> float:
+    """The median time in ms of ``reps`` runs of this conv layer on this machine."""
+    import tvm_ffi
+
+    load()
+    f = tvm_ffi.get_global_func("layerfuse.onednn.time_conv")
+    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs)]
+    return float(f(*shapes, bool(residual), int(reps)))
 
 
 def dense_implementation(n: int, k: int, m: int) -> str:

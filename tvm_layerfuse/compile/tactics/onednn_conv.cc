@@ -15,11 +15,13 @@
 //
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
 //   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
-//            dilation_w, groups, act, src_blocked, dst_blocked, alpha, beta); act: 0 none,
+//            dilation_w, groups, act, src_blocked, dst_blocked, alpha, beta, algorithm); act: 0 none,
 //   1 relu (alpha: negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu
 //   (x * sigmoid(x)), 4 sigmoid; alpha and beta are the bits of a float32 (an integer shape
 //   entry costs the VM nothing, a float argument a kernel launch each); dst_blocked is a bit
-//   mask, bit j for out_j. The BatchNorm of the layer is already folded into w and b.
+//   mask, bit j for out_j; algorithm: 0 direct, 1 Winograd (oneDNN's F(4x4, 3x3) or F(2x2, 3x3)
+//   kernels: 3x3, stride 1, fewer multiplies, chosen per layer by timing at compile time).
+//   The BatchNorm of the layer is already folded into w and b.
 //
 // Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
 // layers of this library, and C % 16 == 0 - oneDNN's blocked nChw16c (same size, same
@@ -50,6 +52,8 @@
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
 //       "jit:avx512_core" or "jit_1x1:avx512_core"; the compiler refuses "ref:" kernels.
+//   layerfuse.onednn.time_conv(x_shape, w_shape, attrs, residual, reps) -> float
+//       the median time in ms of reps runs of that layer here (for the algorithm choice)
 //   layerfuse.onednn.pool_implementation(x_shape, out_shape, attrs) -> str   the same, pools
 //   layerfuse.onednn.prologue_implementation(x_shape, blocked) -> str    the same, conv2d_pre's
 //       prologue
@@ -63,6 +67,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -92,10 +97,12 @@ float FloatBits(int64_t v) {
 struct Attrs {
   int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_blocked, dst_blocked;
   float alpha, beta;
+  int64_t algorithm;  // 0 direct, 1 Winograd
   static Attrs From(const Shape& a) {
-    if (a.size() != 14) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 14 entries, got " << a.size();
+    if (a.size() != 15) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 15 entries, got " << a.size();
+    if (a[14] != 0 && a[14] != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown conv algorithm " << a[14];
     return Attrs{{a[0], a[1]}, {a[2], a[3]}, {a[4], a[5]}, {a[6], a[7]}, a[8], a[9], a[10], a[11],
-                 FloatBits(a[12]), FloatBits(a[13])};
+                 FloatBits(a[12]), FloatBits(a[13]), a[14]};
   }
 };
 
@@ -122,7 +129,9 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
   dnnl::memory::desc bias({O}, dt::f32, tag::x);
   dims wdims = G == 1 ? dims{O, C, kh, kw} : dims{G, O / G, C / G, kh, kw};
   dnnl::memory::desc wei(wdims, dt::f32, tag::any);
-  dnnl::convolution_forward::desc d(dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, src, wei,
+  const dnnl::algorithm algorithm =
+      at.algorithm == 1 ? dnnl::algorithm::convolution_winograd : dnnl::algorithm::convolution_direct;
+  dnnl::convolution_forward::desc d(dnnl::prop_kind::forward_inference, algorithm, src, wei,
                                     bias, dst, {at.stride[0], at.stride[1]},
                                     {at.dilation[0] - 1, at.dilation[1] - 1}, {at.pad_l[0], at.pad_l[1]},
                                     {at.pad_r[0], at.pad_r[1]});
@@ -631,6 +640,40 @@ String Implementation(Shape x, Shape w, Shape attrs, bool residual) {
   }
 }
 
+// The median time (ms) of `reps` runs of this conv layer on this machine (weights, src and
+// residual filled with a fixed pattern; the weight reorder is not timed). For the tactic
+// choice between algorithms at compile time.
+double TimeConv(Shape x, Shape w, Shape attrs, bool residual, int64_t reps) {
+  if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
+  try {
+    std::lock_guard<std::mutex> lock(Mutex());
+    const Attrs at = Attrs::From(attrs);
+    auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, at.dst_blocked & 1);
+    dnnl::convolution_forward prim(pd);
+    auto filled = [](const dnnl::memory::desc& md) {
+      dnnl::memory m(md, Engine());
+      float* p = static_cast<float*>(m.get_data_handle());
+      const size_t n = md.get_size() / sizeof(float);
+      for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) * 1e-3f;
+      return m;
+    };
+    dnnl::memory src = filled(pd.src_desc()), wei = filled(pd.weights_desc()), bias = filled(pd.bias_desc());
+    dnnl::memory dst = filled(pd.dst_desc());
+    dnnl::stream s(Engine());
+    std::vector<double> ms;
+    for (int64_t k = -2; k < std::max<int64_t>(reps, 1); ++k) {  // two warm-up runs
+      const auto t0 = std::chrono::steady_clock::now();
+      prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
+      s.wait();
+      if (k >= 0) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
 String Version() {
   const dnnl_version_t* v = dnnl_version();
   std::ostringstream os;
@@ -659,5 +702,6 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.concat", Function::FromPacked(layerfuse_onednn::ConcatChannels), true);
   Function::SetGlobal("layerfuse.onednn.to_blocked", Function::FromTyped(layerfuse_onednn::ToBlocked), true);
   Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);
+  Function::SetGlobal("layerfuse.onednn.time_conv", Function::FromTyped(layerfuse_onednn::TimeConv), true);
   Function::SetGlobal("layerfuse.onednn.version", Function::FromTyped(layerfuse_onednn::Version), true);
 }
