@@ -89,9 +89,12 @@ def _winograd_won(timing: str) -> bool:
 
 
 @needs_onednn
-def test_time_conv_refuses_attrs_of_the_wrong_length():
+def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length():
+    direct = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+    times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct[:14] + [1], residual=False)
+    assert len(times) == 2 and all(t > 0 for t in times), times
     with pytest.raises(Exception, match="attrs must have 15 entries"):
-        onednn.time_conv([1, 16, 8, 8], [16, 16, 3, 3], [1] * 14, residual=False)
+        onednn.time_conv([1, 16, 8, 8], [16, 16, 3, 3], [1] * 14, [1] * 14, residual=False)
 
 
 @needs_onednn

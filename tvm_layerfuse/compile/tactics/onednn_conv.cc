@@ -52,12 +52,14 @@
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
 //       "jit:avx512_core" or "jit_1x1:avx512_core"; the compiler refuses "ref:" kernels.
-//   layerfuse.onednn.time_conv(x_shape, w_shape, attrs, residual, reps) -> float
-//       the median time in ms of reps runs of that layer here (for the algorithm choice)
+//   layerfuse.onednn.time_conv(x_shape, w_shape, attrs_a, attrs_b, residual, reps) -> [ms_a, ms_b]
+//       that layer's time here under two attrs, fastest of reps interleaved runs each
+//       (for the algorithm choice)
 //   layerfuse.onednn.pool_implementation(x_shape, out_shape, attrs) -> str   the same, pools
 //   layerfuse.onednn.prologue_implementation(x_shape, blocked) -> str    the same, conv2d_pre's
 //       prologue
 
+#include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
@@ -65,6 +67,7 @@
 #include <tvm/ffi/string.h>
 
 #include <oneapi/dnnl/dnnl.hpp>
+#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -640,16 +643,22 @@ String Implementation(Shape x, Shape w, Shape attrs, bool residual) {
   }
 }
 
-// The median time (ms) of `reps` runs of this conv layer on this machine (weights, src and
-// residual filled with a fixed pattern; the weight reorder is not timed). For the tactic
-// choice between algorithms at compile time.
-double TimeConv(Shape x, Shape w, Shape attrs, bool residual, int64_t reps) {
+// The time (ms) of this conv layer on this machine under each of two attrs (e.g. direct and
+// Winograd): the fastest of `reps` runs each, the two run in turn (weights, src and residual
+// filled with a fixed pattern; weight reorders are not timed). The minimum of interleaved
+// runs, because other processes on the machine only ever add time; on one thread, because an
+// OpenMP barrier waiting for a thread that another process holds off its core adds whole
+// scheduler time slices (8 ms and more on a busy 2-core machine), which would decide the
+// choice instead of the kernels. For the tactic choice between algorithms at compile time.
+tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b, bool residual, int64_t reps) {
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
     std::lock_guard<std::mutex> lock(Mutex());
-    const Attrs at = Attrs::From(attrs);
-    auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, at.dst_blocked & 1);
-    dnnl::convolution_forward prim(pd);
+    struct Timed {
+      dnnl::convolution_forward prim;
+      std::unordered_map<int, dnnl::memory> args;
+      double best = 1e300;
+    };
     auto filled = [](const dnnl::memory::desc& md) {
       dnnl::memory m(md, Engine());
       float* p = static_cast<float*>(m.get_data_handle());
@@ -657,18 +666,32 @@ double TimeConv(Shape x, Shape w, Shape attrs, bool residual, int64_t reps) {
       for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) * 1e-3f;
       return m;
     };
-    dnnl::memory src = filled(pd.src_desc()), wei = filled(pd.weights_desc()), bias = filled(pd.bias_desc());
-    dnnl::memory dst = filled(pd.dst_desc());
-    dnnl::stream s(Engine());
-    std::vector<double> ms;
-    for (int64_t k = -2; k < std::max<int64_t>(reps, 1); ++k) {  // two warm-up runs
-      const auto t0 = std::chrono::steady_clock::now();
-      prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
-      s.wait();
-      if (k >= 0) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    std::vector<Timed> timed;
+    for (const Shape* attrs : {&attrs_a, &attrs_b}) {
+      const Attrs at = Attrs::From(*attrs);
+      auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, at.dst_blocked & 1);
+      timed.push_back(Timed{dnnl::convolution_forward(pd),
+                            {{DNNL_ARG_SRC, filled(pd.src_desc())},
+                             {DNNL_ARG_WEIGHTS, filled(pd.weights_desc())},
+                             {DNNL_ARG_BIAS, filled(pd.bias_desc())},
+                             {DNNL_ARG_DST, filled(pd.dst_desc())}}});
     }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
+    dnnl::stream s(Engine());
+    struct OneThread {  // for the timed runs, restored however this function ends
+      int saved = omp_get_max_threads();
+      OneThread() { omp_set_num_threads(1); }
+      ~OneThread() { omp_set_num_threads(saved); }
+    } one_thread;
+    for (int64_t k = -1; k < std::max<int64_t>(reps, 1); ++k) {  // one warm-up run each
+      for (Timed& t : timed) {
+        const auto t0 = std::chrono::steady_clock::now();
+        t.prim.execute(s, t.args);
+        s.wait();
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (k >= 0) t.best = std::min(t.best, ms);
+      }
+    }
+    return tvm::ffi::Array<double>{timed[0].best, timed[1].best};
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }

@@ -57,8 +57,9 @@ bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_inf
 ``ref:``); otherwise ``tvm`` (TVM's own kernel), with the reason. Within ``onednn`` the conv
 algorithm (``algorithm``: 0 direct, 1 Winograd) is chosen by timing, as TensorRT times its
 tactics: where oneDNN has a Winograd kernel for the layer (3x3, stride 1, no groups), both
-are timed on this machine at compile time (``layerfuse.onednn.time_conv``, median of 5 runs
-each) and Winograd is kept when it is at least ``WINOGRAD_GAIN`` faster. Winograd computes
+are timed on this machine at compile time (``layerfuse.onednn.time_conv``: the fastest of 7
+runs each, the two in turn, on one thread, so that other processes on the machine cannot
+decide the choice) and Winograd is kept when it is at least ``WINOGRAD_GAIN`` faster. Winograd computes
 the same convolution with fewer multiplies (F(4x4, 3x3): 36 instead of 144 per 4x4 output
 tile and channel pair); its rounding differs from the direct sum by about 1e-6 relative.
 ``UseOneDNNConv(winograd="never")`` keeps every layer direct, ``"always"`` takes Winograd
@@ -215,10 +216,7 @@ class UseOneDNNConv:
         if key not in self.timings:
             direct = list(wino)
             direct[14] = 0
-            self.timings[key] = (
-                onednn.time_conv(x_shape, w_shape, direct, residual=residual),
-                onednn.time_conv(x_shape, w_shape, wino, residual=residual),
-            )
+            self.timings[key] = onednn.time_conv(x_shape, w_shape, direct, wino, residual=residual)
         t_direct, t_wino = self.timings[key]
         timing = f"direct {t_direct:.3f} ms, winograd {t_wino:.3f} ms"
         if t_wino <= t_direct / WINOGRAD_GAIN:
