@@ -510,8 +510,10 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
 
 // out = x @ w + b (the classifier: Gemm / Linear), x [N, K], w [K, M], b [M], out [N, M], as a
 // oneDNN matmul primitive made once per shape.
+// The weights are reordered once into the layout the primitive prefers (packed for its
+// brgemm kernel), checked by fingerprint like a conv's.
 dnnl::matmul::primitive_desc DenseDesc(int64_t N, int64_t K, int64_t M) {
-  dnnl::memory::desc src({N, K}, dt::f32, tag::ab), wei({K, M}, dt::f32, tag::ab), bias({1, M}, dt::f32, tag::ab),
+  dnnl::memory::desc src({N, K}, dt::f32, tag::ab), wei({K, M}, dt::f32, tag::any), bias({1, M}, dt::f32, tag::ab),
       dst({N, M}, dt::f32, tag::ab);
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, bias, dst), Engine());
 }
@@ -528,21 +530,30 @@ void Dense(TensorView x, TensorView w, TensorView b, TensorView out) {
     struct Prim {
       dnnl::matmul::primitive_desc pd;
       dnnl::matmul prim;
+      dnnl::memory weights;  // in pd.weights_desc(), owned
+      std::vector<float> fingerprint;
     };
     static auto* prims = new std::unordered_map<std::string, std::unique_ptr<Prim>>();
     std::ostringstream key;
-    key << N << ',' << K << ',' << M;
+    key << N << ',' << K << ',' << M << ':' << static_cast<const void*>(Data(w));
     auto it = prims->find(key.str());
-    if (it == prims->end()) {
+    if (it == prims->end() || it->second->fingerprint != Fingerprint(Data(w), K * M)) {
       auto p = std::make_unique<Prim>();
       p->pd = DenseDesc(N, K, M);
       p->prim = dnnl::matmul(p->pd);
-      it = prims->emplace(key.str(), std::move(p)).first;
+      dnnl::memory user(dnnl::memory::desc({K, M}, dt::f32, tag::ab), Engine(), const_cast<float*>(Data(w)));
+      p->weights = dnnl::memory(p->pd.weights_desc(), Engine());
+      dnnl::stream s(Engine());
+      dnnl::reorder(user, p->weights).execute(s, user, p->weights);
+      s.wait();
+      p->fingerprint = Fingerprint(Data(w), K * M);
+      (*prims)[key.str()] = std::move(p);
+      it = prims->find(key.str());
     }
     const Prim& p = *it->second;
     dnnl::stream s(Engine());
     p.prim.execute(s, {{DNNL_ARG_SRC, dnnl::memory(p.pd.src_desc(), Engine(), const_cast<float*>(Data(x)))},
-                       {DNNL_ARG_WEIGHTS, dnnl::memory(p.pd.weights_desc(), Engine(), const_cast<float*>(Data(w)))},
+                       {DNNL_ARG_WEIGHTS, p.weights},
                        {DNNL_ARG_BIAS, dnnl::memory(p.pd.bias_desc(), Engine(), const_cast<float*>(Data(b)))},
                        {DNNL_ARG_DST, dnnl::memory(p.pd.dst_desc(), Engine(), const_cast<float*>(Data(out)))}});
     s.wait();
