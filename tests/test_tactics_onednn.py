@@ -89,6 +89,34 @@ def _winograd_won(timing: str) -> bool:
 
 
 @needs_onednn
+def test_compile_records_the_winograd_mode_and_every_choice(tmp_path, capsys):
+    """`compile --winograd never|always`: the manifest says which mode and what each layer got."""
+    from tvm_layerfuse.cli import main
+
+    model = zoo.googlenet(seed=6, blocks=1, image=64)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    feeds = random_inputs(model, 1)
+    (expected,) = run_onnxruntime(model, feeds)
+    kernels = {}
+    for mode in ("never", "always"):
+        out = tmp_path / mode
+        assert main(["compile", str(path), "-o", str(out), "--winograd", mode, "-q"]) == 0
+        t = json.loads((out / "manifest.json").read_text())["tactics"]
+        assert t["winograd"] == mode
+        kernels[mode] = [c["kernel"] for c in t["layers"] if c["tactic"] == "onednn"]
+        assert rel_err(load(out).run(feeds)["output"], expected) <= RTOL
+    assert not any("wino" in k for k in kernels["never"]) and any("wino" in k for k in kernels["always"])
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "always")]) == 0
+    assert "Winograd: always" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["compile", str(path), "-o", str(tmp_path / "bad"), "--winograd", "sometimes"])
+    assert e.value.code == 2
+    assert not (tmp_path / "bad").exists()
+
+
+@needs_onednn
 def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length():
     direct = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
     times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct[:14] + [1], residual=False)
