@@ -665,6 +665,12 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
     std::lock_guard<std::mutex> lock(Mutex());
+    // one thread from before the primitives are made: oneDNN fixes a kernel's thread count then
+    struct OneThread {  // restored however this function ends
+      int saved = omp_get_max_threads();
+      OneThread() { omp_set_num_threads(1); }
+      ~OneThread() { omp_set_num_threads(saved); }
+    } one_thread;
     struct Timed {
       dnnl::convolution_forward prim;
       std::unordered_map<int, dnnl::memory> args;
@@ -688,11 +694,6 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
                              {DNNL_ARG_DST, filled(pd.dst_desc())}}});
     }
     dnnl::stream s(Engine());
-    struct OneThread {  // for the timed runs, restored however this function ends
-      int saved = omp_get_max_threads();
-      OneThread() { omp_set_num_threads(1); }
-      ~OneThread() { omp_set_num_threads(saved); }
-    } one_thread;
     for (int64_t k = -1; k < std::max<int64_t>(reps, 1); ++k) {  // one warm-up run each
       for (Timed& t : timed) {
         const auto t0 = std::chrono::steady_clock::now();
