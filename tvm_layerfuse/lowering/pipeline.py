@@ -36,7 +36,6 @@ generation) and counts what concatenation still costs per inference.
 from __future__ import annotations
 
 import contextlib
-
 import importlib
 import logging
 import re
