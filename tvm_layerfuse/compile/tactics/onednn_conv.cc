@@ -9,6 +9,9 @@
 //       conv writes its split pieces; piece j is one conv with the rows o_j..o_j+O_j of w, b)
 //   layerfuse.onednn.conv2d_add  (x, w, b, r, attrs, out)
 //       out = act(conv2d(x, w) + b + r)      r: the residual, as oneDNN's `sum` post-op
+//   layerfuse.onednn.conv2d_add_inplace  (x, w, b, r, attrs_0, ..., attrs_13)
+//       the same with out = r (r's bytes become the result; the attrs as integer arguments,
+//       called from TIR: Relax's call_tir_inplace tells memory planning that out is r)
 //   layerfuse.onednn.conv2d_pre  (x, s, t, w, b, attrs, out_1, ..., out_k)
 //       conv2d of relu(x * s + t) (s, t [C]: a pre-activation BatchNorm + ReLU, folded), the
 //       prologue as a oneDNN binary primitive (mul, post-ops add, relu) in x's layout
@@ -382,6 +385,17 @@ void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape att
   Run(x, w, b, &r, attrs, {out});
 }
 
+// conv2d_add_inplace(x, w, b, r, attrs_0, ..., attrs_n): conv2d_add with out = r, the attrs as
+// integer arguments (the call comes from a TIR function that Relax calls with call_tir_inplace,
+// so memory planning knows out is r). The sum post-op reads r where it writes: no copy.
+void Conv2dAddInplace(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
+  if (args.size() < 5) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d_add_inplace: expected (x, w, b, r, attrs...)";
+  std::vector<int64_t> a;
+  for (int i = 4; i < args.size(); ++i) a.push_back(args[i].cast<int64_t>());
+  TensorView r = args[3].cast<TensorView>();
+  Run(args[0].cast<TensorView>(), args[1].cast<TensorView>(), args[2].cast<TensorView>(), &r, Shape(a.begin(), a.end()), {r});
+}
+
 // conv2d_pre(x, s, t, w, b, attrs, out_1, ..., out_k): conv2d of relu(x * s + t)
 void Conv2dPre(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (args.size() < 7) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d_pre: expected (x, s, t, w, b, attrs, out...)";
@@ -656,6 +670,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),
                       true);
   Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);
+  Function::SetGlobal("layerfuse.onednn.conv2d_add_inplace", Function::FromPacked(layerfuse_onednn::Conv2dAddInplace),
+                      true);
   Function::SetGlobal("layerfuse.onednn.concat", Function::FromPacked(layerfuse_onednn::ConcatChannels), true);
   Function::SetGlobal("layerfuse.onednn.to_blocked", Function::FromTyped(layerfuse_onednn::ToBlocked), true);
   Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);

@@ -132,6 +132,7 @@ class UseOneDNNConv:
         self.only = only
         self.layers: list[LayerChoice] = []
         self.bound: dict = {}  # var -> value in the function being rewritten (clip bounds)
+        self.residuals: list[tuple[str, str]] = []  # (conv2d_add's variable, "in-place" | why it copies)
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         onednn.load()  # the kernel query needs the library in this process
@@ -154,6 +155,8 @@ class UseOneDNNConv:
             if not is_primitive(func):
                 mod[gv] = concats_in_place(func, self.layers)
         mod = relax.transform.DeadCodeElimination()(mod)
+        self.residuals = []
+        mod = residuals_in_place(mod, self.residuals)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
         return mod
@@ -849,6 +852,118 @@ class _InPlace(relax.PyExprMutator):
                 return relax.TupleGetItem(self.visit_expr(old), keep.index(int(op.index)))
             return relax.TupleGetItem(self.visit_expr(old), 0)  # an absorbed piece: no reader left (DCE)
         return super().visit_tuple_getitem_(op)
+
+
+# ---------------------------------------------------------------------- the residual in place
+def residuals_in_place(mod: tvm.IRModule, choices: list) -> tvm.IRModule:
+    """``conv2d_add(x, W, b, r)`` whose residual ``r`` has no other reader -> the result is
+    written into ``r``'s own buffer (the ``sum`` post-op reads each element where it writes
+    it: no copy of ``r`` into a fresh destination)::
+
+        y = call_dps_packed("layerfuse.onednn.conv2d_add", (x, W, b, r, attrs), out)
+          -> y = call_tir_inplace(wrap, (x, W, b, r), inplace_indices=[3], out)
+             wrap(x, W, b, r): call_packed("layerfuse.onednn.conv2d_add_inplace", x, W, b, r, *attrs)
+
+    ``call_tir_inplace`` (not ``call_inplace_packed``) because memory planning follows its
+    alias: CallTIRRewrite binds ``y = r``, so r's storage stays live while y is, where
+    ``StaticPlanBlockMemory`` would free r's storage at a packed call's last use of r and hand
+    it to a later tensor while y (the same bytes) is still read.
+
+    Taken when ``r`` is a dataflow tensor that a tactic-library call makes (a fresh buffer,
+    never a view of another tensor, a parameter or the result) and this call is its last
+    reader: every other reader is a tactic-library call bound before it (those make fresh
+    outputs, so no view of ``r`` outlives the call; e.g. a ResNet block's input, read by its
+    first conv and then by the residual add). Otherwise the library copies ``r`` into the
+    destination first. ``choices`` gets ``(bound variable, "in-place" | why the copy stays)``
+    per ``conv2d_add``."""
+    wrappers: dict = {}  # (shapes, attrs) -> GlobalVar of the TIR wrapper
+    builder = relax.BlockBuilder(mod)  # adds the wrappers (typed GlobalVars) to mod
+    rewrites = {}
+    for gv, func in relax_functions(mod):
+        if is_primitive(func):
+            continue
+        bindings = _bindings(func)
+        made = {b.var for b in bindings if _onednn_call(b.value) is not None and not isinstance(b.var.ty, relax.TupleType)}
+        readers: dict = {}  # var -> [(binding index, read by a tactic-library call)]
+        for i, b in enumerate(bindings):
+            for v in relax.analysis.free_vars(b.value):
+                readers.setdefault(v, []).append((i, _onednn_call(b.value) is not None))
+        for v in relax.analysis.free_vars(func.body.body):
+            readers.setdefault(v, []).append((len(bindings), False))
+        chosen = {}
+        for i, b in enumerate(bindings):
+            found = _onednn_call(b.value)
+            if found is None or found[0] != onednn.FUNCTIONS["conv2d_add"]:
+                continue
+            args = found[1]
+            r = args[3]
+            others = [(j, lib) for j, lib in readers.get(r, []) if j != i]
+            if not isinstance(r, relax.DataflowVar) or r not in made:
+                why = "the residual is not a tensor a tactic-library call makes in this block"
+            elif any(a.same_as(r) for a in args[:3]):
+                why = "the conv reads the residual as an operand too"
+            elif any(j > i for j, _ in others):
+                why = f"the residual {r.name} is read after the conv"
+            elif not all(lib for _, lib in others):
+                why = f"the residual {r.name} is read by a TVM kernel too"
+            else:
+                why = ""
+            choices.append((b.var.name, why or "in-place"))
+            if why:
+                continue
+            shapes = tuple(tuple(static_shape(a)) for a in args[:4])
+            attrs = tuple(int(a) for a in args[4].values)
+            key = (shapes, attrs)
+            if key not in wrappers:
+                wrappers[key] = builder.add_func(_inplace_wrapper(shapes, attrs), "layerfuse_onednn_conv2d_add_inplace")
+            chosen[b.value] = (wrappers[key], args[:4], relax.TensorType(list(static_shape(b.var)), "float32"))
+        if chosen:
+            rewrites[gv] = chosen
+    mod = builder.get()
+    for gv, chosen in rewrites.items():
+        mod[gv] = _ResidualInPlace(chosen).visit_expr(mod[gv])
+    n = sum(c == "in-place" for _, c in choices)
+    if choices:
+        log.info("residual in place for %d of %d conv+add layers", n, len(choices))
+    return mod
+
+
+def _inplace_wrapper(shapes: tuple, attrs: tuple):
+    """The TIR function ``(x, W, b, r)`` that calls the library's in-place conv2d_add (see
+    :func:`residuals_in_place`); attrs as integer arguments, fixed per wrapper. Any operand
+    may sit at an offset in its storage (``offset_factor=1``: the call passes it on)."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    xs, ws, bs, rs = shapes
+    ints = [tirx.IntImm("int64", a) for a in attrs]
+    name = onednn.CONV2D_ADD_INPLACE
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def wrapper(
+        x: T.Buffer(xs, "float32", offset_factor=1),
+        w: T.Buffer(ws, "float32", offset_factor=1),
+        b: T.Buffer(bs, "float32", offset_factor=1),
+        r: T.Buffer(rs, "float32", offset_factor=1),
+    ):
+        T.func_attr({"tir.noalias": True})
+        T.call_packed(name, x, w, b, r, *ints)
+
+    return wrapper
+
+
+@relax.expr_functor.mutator
+class _ResidualInPlace(relax.PyExprMutator):
+    def __init__(self, chosen: dict) -> None:
+        super().__init__()
+        self.chosen = chosen
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new = self.chosen.get(call)
+        if new is None:
+            return super().visit_call_(call)
+        gv, args, out = new
+        return relax.op.call_tir_inplace(gv, relax.Tuple([self.visit_expr(a) for a in args]), inplace_indices=[3], out_ty=out)
 
 
 # ---------------------------------------------------------------------- the classifier
