@@ -946,7 +946,7 @@ def _inplace_wrapper(shapes: tuple, attrs: tuple):
         b: T.Buffer(bs, "float32", offset_factor=1),
         r: T.Buffer(rs, "float32", offset_factor=1),
     ):
-        T.func_attr({"tir.noalias": True})
+        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # kOpaque: FuseOps never fuses a library call
         T.call_packed(name, x, w, b, r, *ints)
 
     return wrapper
