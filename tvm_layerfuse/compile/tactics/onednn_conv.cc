@@ -27,6 +27,8 @@
 // Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
 // layers of this library, and C % 16 == 0 - oneDNN's blocked nChw16c (same size, same
 // [N, C, H, W] type for TVM, which never reads it): src_blocked / dst_blocked say which.
+// A conv's blocked src or (single) dst may also have C % 16 != 0: its type is then
+// [N, ceil16(C), H, W], the padded nChw16c bytes, and C / O come from the weights.
 // A plain src or dst is reordered to/from the layout the primitive prefers (blocked, where
 // oneDNN's JIT kernels run with their post-ops fused) in buffers kept with the layer; a
 // blocked one is used in place, so consecutive convs run with no reorder between them.
@@ -237,8 +239,11 @@ Layer& Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs,
 struct View {
   float* data;
   dims shape;  // [N, O, OH, OW]
-  int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
+  int64_t padded_c = 0;  // O rounded up to 16 where the tensor holds padded nChw16c, else 0
+  int64_t numel() const { return shape[0] * (padded_c ? padded_c : shape[1]) * shape[2] * shape[3]; }
 };
+
+int64_t RoundUp16(int64_t c) { return (c + 15) / 16 * 16; }
 
 View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
 
@@ -344,14 +349,24 @@ void RunLocked(const TensorView& x, const TensorView& w, const TensorView& b, co
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: split outputs need a conv without residual and groups";
   if (b.shape()[0] != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
   const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];  // weights per output channel
+  // Padded channels: a blocked tensor whose C is not a multiple of 16 has the type (and bytes)
+  // [N, ceil16(C), H, W]; the conv's C and O come from the weights.
+  dims x_dims = Dims(x.shape().data(), 4);
+  const int64_t C = w.shape()[1] * at.groups, O = w.shape()[0];
+  if (!sc && at.src_blocked && x_dims[1] != C && x_dims[1] == RoundUp16(C)) x_dims[1] = C;
+  std::vector<View> views = outs;
+  if (views.size() == 1 && (at.dst_blocked & 1) && views[0].shape[1] != O && views[0].shape[1] == RoundUp16(O)) {
+    views[0].padded_c = views[0].shape[1];
+    views[0].shape[1] = O;
+  }
   int64_t o = 0;  // output channels done
   const float* xdata = sc ? RunPre(x, *sc, *sh, at.src_blocked) : Data(x);
-  for (size_t j = 0; j < outs.size(); ++j) {
-    const int64_t Oj = outs[j].shape[1];
+  for (size_t j = 0; j < views.size(); ++j) {
+    const int64_t Oj = views[j].shape[1];
     if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
-    if (r && outs[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
+    if (r && views[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
     Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
-    RunRows(xdata, Dims(x.shape().data(), 4), rows, at, attrs, r ? Data(*r) : nullptr, outs[j], (at.dst_blocked >> j) & 1);
+    RunRows(xdata, x_dims, rows, at, attrs, r ? Data(*r) : nullptr, views[j], (at.dst_blocked >> j) & 1);
     o += Oj;
   }
   if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];

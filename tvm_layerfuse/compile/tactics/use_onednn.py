@@ -601,6 +601,7 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     for v in list(classes.parent) + list(producer):
         members.setdefault(classes.find(v), set()).add(v)
     blocked = {v for root, vs in members.items() if all(can_block(m) for m in vs) for v in vs}
+    padded = _padded(members, calls, tvm_read)
     for vs in members.values():
         plain = [m.name for m in vs if not can_block(m)]
         if plain and len(plain) < len(vs):
@@ -620,18 +621,49 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     flags = {}  # call var -> (src flag, dst flag or mask)
     for v, (name, args) in calls.items():
         if name in _CONVS:
-            src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared)
+            src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared or args[0] in padded)
             if isinstance(v.ty, relax.TupleType):
                 parts = pieces.get(v, {})
                 dst = sum(1 << j for j, vs in parts.items() if vs[0] in blocked)
             else:
-                dst = int(v in blocked)
+                dst = int(v in blocked or v in padded)
             flags[v] = (int(src), dst)
         elif name == onednn.POOL:
             flags[v] = (int(v in blocked), int(v in blocked))
     _record_layouts(layers, calls, flags)
     by_call = {b.value: flags[b.var] for b in bindings if b.var in flags and any(flags[b.var])}
-    return _SetLayouts(by_call, shared).visit_expr(func) if by_call else func
+    resize = {b.value: _padded_type(b.var) for b in bindings if b.var in padded}
+    return _SetLayouts(by_call, shared, resize).visit_expr(func) if by_call else func
+
+
+def _padded(members: dict, calls: dict, tvm_read: set) -> set:
+    """Tensors kept in nChw16c with their channels padded to a multiple of 16 (MobileNet-V2's
+    24-channel stage, GoogLeNet's 24-channel reduce convs): C % 16 != 0, made by a conv with
+    one output and read only by convs (as their src, or conv2d_add's residual), never by TVM,
+    the caller, a pool, a concat or a prologue -- all their classes alike. Their Relax type
+    becomes [N, ceil16(C), H, W] (the bytes oneDNN's padded nChw16c takes; the library takes
+    C from the weights), so no conv reorders them to and from NCHW inside its call."""
+    simple = (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_add"])
+    readers: dict = {}  # var -> [(call name, argument position)]
+    for name, args in calls.values():
+        for k, a in enumerate(args):
+            if isinstance(a, relax.Var):
+                readers.setdefault(a, []).append((name, k))
+
+    def can_pad(var) -> bool:
+        shape = static_shape(var)
+        if shape is None or len(shape) != 4 or shape[1] % BLOCK == 0 or shape[2] * shape[3] == 1:
+            return False
+        if var not in calls or calls[var][0] not in simple or not isinstance(var, relax.DataflowVar) or var in tvm_read:
+            return False
+        return all(name in simple and (k == 0 or (k == 3 and name == simple[1])) for name, k in readers.get(var, []))
+
+    return {v for vs in members.values() if all(can_pad(m) for m in vs) for v in vs}
+
+
+def _padded_type(var) -> relax.TensorType:
+    n, c, h, w = static_shape(var)
+    return relax.TensorType([n, -(-c // BLOCK) * BLOCK, h, w], "float32")
 
 
 def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
@@ -662,10 +694,11 @@ def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
 
 @relax.expr_functor.mutator
 class _SetLayouts(relax.PyExprMutator):
-    def __init__(self, by_call: dict, shared: set) -> None:
+    def __init__(self, by_call: dict, shared: set, resize: dict) -> None:
         super().__init__()
         self.by_call = by_call
         self.shared = shared  # plain tensors reordered once for their oneDNN readers
+        self.resize = resize  # call -> its result's type with padded channels
         self.blocked_copy: dict = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -687,7 +720,8 @@ class _SetLayouts(relax.PyExprMutator):
                 copy = relax.call_dps_packed(onednn.TO_BLOCKED, [args[0]], relax.TensorType(list(static_shape(x)), "float32"))
                 self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_nChw16c")
             args[0] = self.blocked_copy[x]
-        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
+        ty_args = [self.resize[call]] if call in self.resize else call.ty_args
+        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, ty_args)
 
 
 # ---------------------------------------------------------------------- concatenation in place
@@ -931,25 +965,18 @@ def residuals_in_place(mod: tvm.IRModule, choices: list) -> tvm.IRModule:
 def _inplace_wrapper(shapes: tuple, attrs: tuple):
     """The TIR function ``(x, W, b, r)`` that calls the library's in-place conv2d_add (see
     :func:`residuals_in_place`); attrs as integer arguments, fixed per wrapper. Any operand
-    may sit at an offset in its storage (``offset_factor=1``: the call passes it on)."""
-    from tvm import tirx
-    from tvm.script import tirx as T
-
-    xs, ws, bs, rs = shapes
-    ints = [tirx.IntImm("int64", a) for a in attrs]
-    name = onednn.CONV2D_ADD_INPLACE
-
-    @T.prim_func(private=True, check_well_formed=False)
-    def wrapper(
-        x: T.Buffer(xs, "float32", offset_factor=1),
-        w: T.Buffer(ws, "float32", offset_factor=1),
-        b: T.Buffer(bs, "float32", offset_factor=1),
-        r: T.Buffer(rs, "float32", offset_factor=1),
-    ):
-        T.func_attr({"tir.noalias": True, "op_pattern": 8})  # kOpaque: FuseOps never fuses a library call
-        T.call_packed(name, x, w, b, r, *ints)
-
-    return wrapper
+    may sit at an offset in its storage (``offset_factor=1``: the call passes it on). Parsed
+    from text (a decorated function would make TVMScript read this module's source file);
+    ``op_pattern`` 8 (opaque): FuseOps never fuses the library call with a neighbour."""
+    params = ", ".join(f'{n}: T.Buffer({tuple(s)}, "float32", offset_factor=1)' for n, s in zip("xwbr", shapes))
+    ints = ", ".join(f"T.int64({int(a)})" for a in attrs)
+    source = (
+        "@T.prim_func(private=True)\n"
+        f"def main({params}):\n"
+        '    T.func_attr({"tir.noalias": True, "op_pattern": 8})\n'
+        f'    T.call_packed("{onednn.CONV2D_ADD_INPLACE}", x, w, b, r, {ints})\n'
+    )
+    return tvm.script.from_source(source)
 
 
 @relax.expr_functor.mutator
