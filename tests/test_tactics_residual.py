@@ -110,3 +110,57 @@ def test_residual_read_later_keeps_the_copy(case):
     assert KEPT[case] in sorted(choices)[1], choices
     assert len(_inplace_calls(mod)) == 1
     assert code.count("call  layerfuse.onednn.conv2d_add ") == 1  # the copying call is still there
+
+
+def _odd_channels_net(seed: int = 9):
+    """MobileNet-V2-like, channels not multiples of 16: t = relu(conv(x)) 24 ch; an inverted
+    residual on t (expand 24->48, depthwise, project 48->24 + t); sigmoid(conv) 40 ch; a 1x1
+    down to 8 ch (C < 16: stays plain); relu(conv) 32 ch; global average; classifier."""
+    b = NetBuilder("odd_channels", seed=seed)
+    x = b.input("input", (1, 16, 14, 14))
+    with b.scope("c1"):
+        t = b.relu(b.conv(x, 24, 3, pad=1))
+    with b.scope("expand"):
+        y = b.clip(b.conv(t, 48, 1))
+    with b.scope("dw"):
+        y = b.clip(b.conv(y, 48, 3, pad=1, groups=48))
+    with b.scope("project"):
+        y = b.add(b.conv(y, 24, 1), t)
+    with b.scope("c3"):
+        y = b.sigmoid(b.conv(y, 40, 3, pad=1))
+    with b.scope("c4"):
+        y = b.conv(y, 8, 1)
+    with b.scope("c5"):
+        y = b.relu(b.conv(y, 32, 3, pad=1))
+    y = b.flatten(b.global_avgpool(y))
+    with b.scope("fc"):
+        y = b.linear(y, 10)
+    return b.build({"output": y})
+
+
+def test_channels_not_a_multiple_of_16_stay_blocked_padded():
+    """Tensors of 24 and 40 channels between oneDNN convs keep padded nChw16c (no reorder in
+    any call: every conv reads and writes blocked bytes); 8 channels stay plain (padding
+    would double the reading conv's work); the residual of 24 channels is still in place."""
+    mod, chooser, code = _compile_and_compare(_odd_channels_net())
+    convs = [c for c in chooser.layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:"))]
+    assert [c.layout for c in convs] == [
+        "nchw>nChw16c",  # the model input is plain
+        "nChw16c>nChw16c",  # expand: 24 (padded to 32) -> 48
+        "nChw16c>nChw16c",  # depthwise
+        "nChw16c>nChw16c",  # project + residual: 48 -> 24 (padded)
+        "nChw16c>nChw16c",  # sigmoid conv -> 40 (padded to 48)
+        "nChw16c>nchw",  # -> 8 channels: plain
+        "nchw>nChw16c",
+    ], [(c.layer, c.layout) for c in convs]
+    assert all(c.kernel.startswith(("jit", "brg")) for c in convs), [(c.layer, c.kernel) for c in convs]
+    assert [c for _, c in chooser.residuals] == ["in-place"] and len(_inplace_calls(mod)) == 1
+    out_channels = {}  # weight rows -> the channels of the conv's result type
+    for b in mod["main"].body.blocks[0].bindings:
+        v = b.value
+        if isinstance(v, relax.Call) and getattr(v.op, "name", "") in ("relax.call_dps_packed", "relax.call_tir_inplace"):
+            args = list(v.args[1].fields)
+            if len(args) >= 4 and len(b.var.ty.shape) == 4:
+                out_channels[int(args[1].ty.shape[0])] = int(b.var.ty.shape[1])
+    assert out_channels[24] == 32 and out_channels[40] == 48 and out_channels[8] == 8, out_channels
+    assert "to_blocked" not in code

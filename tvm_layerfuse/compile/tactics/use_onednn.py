@@ -48,8 +48,16 @@ and read by library calls only (never by a TVM kernel or the caller) -- except t
 ``C % 16 == 0`` tensor with 1x1 spatial has the same bytes in both layouts, so anyone may
 read it. A conv reads either layout (``src_blocked``) and writes either (``dst_blocked``, a
 bit per output piece); a plain src or dst is reordered inside the library call, and a plain
-tensor read by several convs is reordered once (``layerfuse.onednn.to_blocked``). So
-reorders happen only where a TVM kernel reads or writes a tensor next to a oneDNN layer.
+tensor read by several convs is reordered once (``layerfuse.onednn.to_blocked``). A tensor
+with ``16 < C``, ``C % 16 != 0`` (MobileNet-V2's 24 channels) that convs with one output make
+and only convs read is kept in padded ``nChw16c``: its Relax type becomes ``[N, ceil16(C), H,
+W]``, the bytes oneDNN's padded layout takes (see ``_padded``). So reorders happen only where
+a TVM kernel reads or writes a tensor next to a oneDNN layer (and at the split pieces of a
+merged conv with such channel counts, or C < 16).
+
+Residual in place: a ``conv2d_add`` whose residual nothing reads afterwards writes its result
+into the residual's buffer (``call_tir_inplace`` of a TIR wrapper, see
+:func:`residuals_in_place`): no copy of r per inference.
 
 The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
@@ -601,7 +609,6 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     for v in list(classes.parent) + list(producer):
         members.setdefault(classes.find(v), set()).add(v)
     blocked = {v for root, vs in members.items() if all(can_block(m) for m in vs) for v in vs}
-    padded = _padded(members, calls, tvm_read)
     for vs in members.values():
         plain = [m.name for m in vs if not can_block(m)]
         if plain and len(plain) < len(vs):
@@ -618,16 +625,18 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
         for x, rs in data_readers.items()
         if len(rs) >= 2 and static_shape(x) is not None and len(static_shape(x)) == 4 and static_shape(x)[1] % BLOCK == 0
     }
+    def conv_flags(v, args, padded: set) -> tuple[int, int]:
+        src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared or args[0] in padded)
+        if isinstance(v.ty, relax.TupleType):
+            parts = pieces.get(v, {})
+            return int(src), sum(1 << j for j, vs in parts.items() if vs[0] in blocked)
+        return int(src), int(v in blocked or v in padded)
+
+    padded = _padded(members, calls, tvm_read, conv_flags)
     flags = {}  # call var -> (src flag, dst flag or mask)
     for v, (name, args) in calls.items():
         if name in _CONVS:
-            src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared or args[0] in padded)
-            if isinstance(v.ty, relax.TupleType):
-                parts = pieces.get(v, {})
-                dst = sum(1 << j for j, vs in parts.items() if vs[0] in blocked)
-            else:
-                dst = int(v in blocked or v in padded)
-            flags[v] = (int(src), dst)
+            flags[v] = conv_flags(v, args, padded)
         elif name == onednn.POOL:
             flags[v] = (int(v in blocked), int(v in blocked))
     _record_layouts(layers, calls, flags)
@@ -636,13 +645,16 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     return _SetLayouts(by_call, shared, resize).visit_expr(func) if by_call else func
 
 
-def _padded(members: dict, calls: dict, tvm_read: set) -> set:
+def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
     """Tensors kept in nChw16c with their channels padded to a multiple of 16 (MobileNet-V2's
-    24-channel stage, GoogLeNet's 24-channel reduce convs): C % 16 != 0, made by a conv with
-    one output and read only by convs (as their src, or conv2d_add's residual), never by TVM,
-    the caller, a pool, a concat or a prologue -- all their classes alike. Their Relax type
-    becomes [N, ceil16(C), H, W] (the bytes oneDNN's padded nChw16c takes; the library takes
-    C from the weights), so no conv reorders them to and from NCHW inside its call."""
+    24-channel stage): 16 < C, C % 16 != 0, made by a conv with one output and read only by
+    convs (as their src, or conv2d_add's residual), never by TVM, the caller, a pool, a
+    concat or a prologue -- all their class alike -- and every conv that touches one keeps an
+    optimised kernel in that layout (``conv_flags(var, args, padded)``: the flags it gets; a
+    class whose conv would get ``ref:`` stays plain). Their Relax type becomes [N, ceil16(C),
+    H, W] (the bytes of oneDNN's padded nChw16c; the library takes C from the weights), so no
+    conv reorders them to and from NCHW inside its call. (C < 16 is left plain: padding would
+    multiply the reading conv's work more than the reorders cost.)"""
     simple = (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_add"])
     readers: dict = {}  # var -> [(call name, argument position)]
     for name, args in calls.values():
@@ -652,13 +664,32 @@ def _padded(members: dict, calls: dict, tvm_read: set) -> set:
 
     def can_pad(var) -> bool:
         shape = static_shape(var)
-        if shape is None or len(shape) != 4 or shape[1] % BLOCK == 0 or shape[2] * shape[3] == 1:
+        if shape is None or len(shape) != 4 or shape[1] % BLOCK == 0 or shape[1] < BLOCK or shape[2] * shape[3] == 1:
             return False
         if var not in calls or calls[var][0] not in simple or not isinstance(var, relax.DataflowVar) or var in tvm_read:
             return False
         return all(name in simple and (k == 0 or (k == 3 and name == simple[1])) for name, k in readers.get(var, []))
 
-    return {v for vs in members.values() if all(can_pad(m) for m in vs) for v in vs}
+    classes = [vs for vs in members.values() if all(can_pad(m) for m in vs)]
+    padded = {v for vs in classes for v in vs}
+    checked: dict = {}  # (conv var, flags) -> kernel
+    changed = bool(padded)
+    while changed:  # drop the classes of a conv whose kernel in the padded layout is a reference one
+        changed = False
+        for v, (name, args) in calls.items():
+            if name not in simple or not (v in padded or args[0] in padded):
+                continue
+            attrs = [int(a) for a in args[-1].values]
+            attrs[10], attrs[11] = conv_flags(v, args, padded)
+            key = (v, attrs[10], attrs[11])
+            if key not in checked:
+                checked[key] = onednn.implementation(
+                    static_shape(args[0]), static_shape(args[1]), attrs, residual=name == simple[1]
+                )
+            if checked[key].startswith(("ref", "unsupported")):
+                padded -= {m for vs in classes if v in vs or args[0] in vs for m in vs}
+                changed = True
+    return padded
 
 
 def _padded_type(var) -> relax.TensorType:
