@@ -22,7 +22,7 @@ from graphs import rel_err
 from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.tactics import apply_tactics, format_tactics, onednn
-from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
+from tvm_layerfuse.compile.tactics.use_onednn import WINOGRAD_GAIN, UseOneDNNConv
 from tvm_layerfuse.errors import ArtifactError, BuildError
 from tvm_layerfuse.lowering import layerfuse_pipeline
 from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused
@@ -34,12 +34,12 @@ MISSING = onednn.availability()
 needs_onednn = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
 
 
-def _run_with_tactic(model, *, fuse=True):
+def _run_with_tactic(model, *, fuse=True, winograd="timed"):
     """(max rel. error against onnxruntime over the outputs, the pass's layer choices)."""
     feeds = random_inputs(model, 0)
     expected = run_onnxruntime(model, feeds)
     mod = fuse_with_report(model, bind=True).mod if fuse else unfused(model)
-    chooser = UseOneDNNConv()
+    chooser = UseOneDNNConv(winograd=winograd)
     mod = chooser(mod)
     tgt = resolve("cpu").tvm_target()
     ex = tvm.compile(mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt) if fuse else relax.get_default_pipeline(tgt))
@@ -57,8 +57,72 @@ def _run_with_tactic(model, *, fuse=True):
 @needs_onednn
 def test_extension_gives_optimised_kernels():
     assert onednn.version().startswith("2.")
-    k = onednn.implementation([1, 64, 28, 28], [96, 64, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0], residual=True)
+    k = onednn.implementation([1, 64, 28, 28], [96, 64, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0], residual=True)
     assert k and not k.startswith("ref"), k
+
+
+@needs_onednn
+@pytest.mark.parametrize("winograd", ["always", "never", "timed"])
+def test_winograd_algorithm_matches_onnxruntime(winograd):
+    """The conv algorithm choice: Winograd where oneDNN has it (3x3, stride 1), direct
+    otherwise; every choice gives onnxruntime's answer, and timed choices show both times."""
+    err, layers = _run_with_tactic(zoo.googlenet(seed=3, blocks=2), winograd=winograd)
+    assert err <= RTOL
+    convs = [c for c in layers if c.tactic == "onednn"]
+    wino = [c for c in convs if "wino" in c.kernel]
+    three = [c for c in convs if c.shape.endswith(", 3, 3]")]
+    assert three, "the net has 3x3 convs"
+    if winograd == "never":
+        assert not wino and not any(c.timing for c in convs)
+    elif winograd == "always":
+        assert wino and all(c.timing == "winograd (always)" for c in wino)
+    else:
+        timed = [c for c in convs if c.timing]
+        assert timed and all(c.timing.startswith("direct ") and " ms, winograd " in c.timing for c in timed)
+        assert {c.layer for c in timed} <= {c.layer for c in three}
+        assert all("wino" in c.kernel for c in timed if _winograd_won(c.timing))
+
+
+def _winograd_won(timing: str) -> bool:
+    direct, wino = (float(part.split()[1]) for part in timing.split(", "))
+    return wino <= direct / WINOGRAD_GAIN
+
+
+@needs_onednn
+def test_compile_records_the_winograd_mode_and_every_choice(tmp_path, capsys):
+    """`compile --winograd never|always`: the manifest says which mode and what each layer got."""
+    from tvm_layerfuse.cli import main
+
+    model = zoo.googlenet(seed=6, blocks=1, image=64)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    feeds = random_inputs(model, 1)
+    (expected,) = run_onnxruntime(model, feeds)
+    kernels = {}
+    for mode in ("never", "always"):
+        out = tmp_path / mode
+        assert main(["compile", str(path), "-o", str(out), "--winograd", mode, "-q"]) == 0
+        t = json.loads((out / "manifest.json").read_text())["tactics"]
+        assert t["winograd"] == mode
+        kernels[mode] = [c["kernel"] for c in t["layers"] if c["tactic"] == "onednn"]
+        assert rel_err(load(out).run(feeds)["output"], expected) <= RTOL
+    assert not any("wino" in k for k in kernels["never"]) and any("wino" in k for k in kernels["always"])
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "always")]) == 0
+    assert "Winograd: always" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["compile", str(path), "-o", str(tmp_path / "bad"), "--winograd", "sometimes"])
+    assert e.value.code == 2
+    assert not (tmp_path / "bad").exists()
+
+
+@needs_onednn
+def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length():
+    direct = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+    times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct[:14] + [1], residual=False)
+    assert len(times) == 2 and all(t > 0 for t in times), times
+    with pytest.raises(Exception, match="attrs must have 15 entries"):
+        onednn.time_conv([1, 16, 8, 8], [16, 16, 3, 3], [1] * 14, [1] * 14, residual=False)
 
 
 @needs_onednn

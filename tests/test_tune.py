@@ -45,12 +45,16 @@ def test_bad_bounds_are_refused(kw, fragment, tmp_path):
 
 
 @pytest.mark.slow
-def test_tune_then_compile_applies_the_database(tmp_path, monkeypatch):
+def test_tune_then_compile_applies_the_database(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("TVM_LAYERFUSE_CACHE", str(tmp_path / "cache"))
     model = random_cnn(21, max_layers=4)
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
     result = tune_model(path, trials=4, tactics="tvm", progress=False)
+    printed = capfd.readouterr()
+    # MetaSchedule's log lines (Python handlers and C++ warnings) went to the debug log and its logs/ folder
+    assert "[INFO]" not in printed.err + printed.out and "task_scheduler" not in printed.err + printed.out, printed.err[-500:]
+    assert any((result.database / "logs").iterdir())
     assert result.tasks >= 1 and result.trials >= 1 and has_database(result.database)
     records = (result.database / "database_tuning_record.json").read_text().splitlines()
     assert records and all(json.loads(line) for line in records)

@@ -211,6 +211,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet and sys.stderr.isatty(),
         tactics=args.tactics,
+        winograd=args.winograd,
     )
     say(args, f"wrote artifact {out}")
     if not args.quiet:
@@ -326,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "onednn", "tvm"),
         default="auto",
         help="conv implementation: oneDNN where installed (auto), oneDNN or fail, or TVM's kernels only",
+    )
+    p.add_argument(
+        "--winograd",
+        choices=("timed", "never", "always"),
+        default="timed",
+        help="oneDNN 3x3 convs: time direct and Winograd per layer and keep the faster (timed), direct only "
+        "(never: the same kernels on every compile), or Winograd wherever oneDNN has it",
     )
     p.set_defaults(func=cmd_compile)
 

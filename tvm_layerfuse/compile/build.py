@@ -52,12 +52,14 @@ def compile_model(
     progress: bool = True,
     on_commit: Optional[Callable[[], None]] = None,
     tactics: str = "auto",
+    winograd: str = "timed",
 ) -> Path:
     """Compile ``model`` (ONNX path) for ``target`` into the artifact directory ``out``.
 
     ``on_commit()`` runs the instant the artifact is in place (see :func:`artifact.write_artifact`).
     ``tactics``: ``auto`` | ``onednn`` | ``tvm``, which implementation runs the conv layers
-    (see :mod:`tvm_layerfuse.compile.tactics`)."""
+    (see :mod:`tvm_layerfuse.compile.tactics`); ``winograd``: ``timed`` | ``never`` | ``always``,
+    how the oneDNN tactic chooses each 3x3 conv's algorithm."""
     spec = resolve(target, arch=arch)
     check_toolchain(spec)
     from tqdm import tqdm
@@ -81,7 +83,7 @@ def compile_model(
             mod, params, report = relax_module(model, plan=p, fuse=fuse, input_shapes=input_shapes)
             from .tactics import apply_tactics
 
-            mod, tactic_plan = apply_tactics(mod, params, spec, tactics=tactics)
+            mod, tactic_plan = apply_tactics(mod, params, spec, tactics=tactics, winograd=winograd)
         with step("fold weights"):
             mod, weights = lift_weights(mod, params)
             mod = safe_param_names(mod)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from .. import native_output
 from ..errors import UsageError
 from .tune_database import database_dir
 
@@ -175,11 +176,19 @@ def tune_model(
             raise UsageError(f"--{'tracker' if tracker else 'rpc'} {tracker or rpc!r}: expected HOST:PORT")
         config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=60)
         runner = ms.runner.RPCRunner(rpc_config=config, f_alloc_argument=alloc_random_arguments)
-    with _unnamed_handlers_detached("tvm.s_tir.meta_schedule"):
-        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
+    # MetaSchedule's own lines (its console log handlers, the C++ side's warnings on fd 2) go
+    # to this module's debug log; its complete logs stay in the database's logs/ folder. The
+    # bar is drawn on a duplicate of the terminal's stderr, which the redirection leaves alone.
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
     start = time.monotonic()
     counted = [0]
-    with tqdm(total=trials, disable=not progress, unit="trial", desc=f"tune {len(tasks)} tasks") as bar:
+    with (
+        terminal,
+        tqdm(total=trials, disable=not progress, unit="trial", desc=f"tune {len(tasks)} tasks", file=terminal) as bar,
+        native_output.to_log("MetaSchedule", log),
+    ):
+        with _unnamed_handlers_detached("tvm.s_tir.meta_schedule"):
+            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
         ms.tune_tasks(
             tasks=contexts,
             task_weights=weights,

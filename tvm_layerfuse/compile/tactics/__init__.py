@@ -9,7 +9,7 @@
     --tactics tvm      TVM's own kernels only
 
 Within ``onednn``, each layer is chosen by the rule in :mod:`.use_onednn` (oneDNN when it
-has an optimised kernel for the layer, else TVM). :func:`apply_tactics` returns the
+has an optimised kernel for the layer, else TVM; direct or Winograd convolution by timing). :func:`apply_tactics` returns the
 rewritten module and a :class:`TacticPlan`: every layer's choice (for the manifest,
 ``inspect`` and the report) and the tactic library the artifact must carry.
 """
@@ -40,6 +40,7 @@ class TacticPlan:
     library: Optional[Path] = None  # the extension .so the artifact carries
     note: str = ""  # why oneDNN is not used, when it is not
     version: str = ""  # oneDNN version
+    winograd: str = "timed"  # how the conv algorithm was chosen (see use_onednn.WINOGRAD_CHOICES)
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(c.tactic for c in self.layers))
@@ -55,6 +56,7 @@ class TacticPlan:
             "used": self.used,
             "note": self.note,
             "onednn_version": self.version,
+            "winograd": self.winograd,
             "counts": self.counts(),
             "layers": [c.to_dict() for c in self.layers],
             "libraries": libraries,
@@ -77,10 +79,17 @@ def onednn_refusal(spec) -> Optional[str]:
     return onednn.availability()
 
 
-def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto"):
-    """(module with the chosen layers calling the tactic library, :class:`TacticPlan`)."""
+def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto", winograd: str = "timed"):
+    """(module with the chosen layers calling the tactic library, :class:`TacticPlan`).
+
+    ``winograd``: ``timed`` (both conv algorithms timed per layer, the faster kept), ``never``
+    (direct only: the same kernels on every compile), ``always`` (Winograd wherever oneDNN has it)."""
+    from .use_onednn import WINOGRAD_CHOICES
+
     if tactics not in CHOICES:
         raise UsageError(f"--tactics {tactics!r} is unknown; expected one of {', '.join(CHOICES)}")
+    if winograd not in WINOGRAD_CHOICES:
+        raise UsageError(f"--winograd {winograd!r} is unknown; expected one of {', '.join(WINOGRAD_CHOICES)}")
     if tactics == "tvm":
         return mod, TacticPlan(requested=tactics, used="tvm", note="--tactics tvm")
     reason = onednn_refusal(spec)
@@ -99,7 +108,7 @@ def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto"
         return mod, TacticPlan(requested=tactics, used="tvm", note=reason)
     from .use_onednn import UseOneDNNConv
 
-    rewrite = UseOneDNNConv(params=params)
+    rewrite = UseOneDNNConv(params=params, winograd=winograd)
     mod = rewrite(mod)
     used = any(c.tactic == "onednn" for c in rewrite.layers)
     plan = TacticPlan(
@@ -109,6 +118,7 @@ def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto"
         library=library if used else None,
         note="" if used else "no layer suits oneDNN",
         version=onednn.version(),
+        winograd=winograd,
     )
     return mod, plan
 
@@ -120,6 +130,8 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
     head = f"tactics: {info.get('used')} (requested {info.get('requested')})"
     if info.get("onednn_version"):
         head += f", oneDNN {info['onednn_version']}"
+    if info.get("winograd") and info.get("used") == "onednn":
+        head += f", Winograd: {info['winograd']}"
     if info.get("note"):
         head += f"; {info['note']}"
     lines = [head]
@@ -128,5 +140,7 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
         lines.append("  " + ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))
     for c in info.get("layers") or []:
         detail = c.get("kernel") or c.get("reason") or ""
+        if c.get("timing"):
+            detail += f" ({c['timing']})"
         lines.append(f"  {c.get('layer', '?'):<40} {c.get('tactic', '?'):<7} {c.get('shape', ''):<32} {detail}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@
                               (tvm_ffi.cpp.build: tvm-ffi headers + oneDNN, -ldnnl)
     load()                    build + dlopen: registers layerfuse.onednn.* as global functions
     implementation(...)       the oneDNN kernel a conv layer gets on this machine
+    time_conv(...)            a conv layer's time here under two attrs (the algorithm choice)
     pool_implementation(...)  the same for a pooling layer
     float_bits(v)             a float32's bits as an integer (how attrs carry alpha and beta)
 
@@ -109,8 +110,8 @@ def build_extension() -> Path:
             path = tvm_ffi.cpp.build(
                 "layerfuse_onednn",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O2", "-DNDEBUG"],
-                extra_ldflags=[*(f"-L{d}" for d in libdirs), "-ldnnl"],
+                extra_cflags=["-O2", "-DNDEBUG", "-fopenmp"],  # OpenMP: the thread count of time_conv
+                extra_ldflags=[*(f"-L{d}" for d in libdirs), "-ldnnl", "-fopenmp"],
                 extra_include_paths=[str(prefix / "include")],
                 build_directory=build_dir,
             )
@@ -154,6 +155,20 @@ def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequen
     f = tvm_ffi.get_global_func("layerfuse.onednn.implementation")
     shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs)]
     return str(f(*shapes, bool(residual)))
+
+
+def time_conv(
+    x_shape: Sequence[int], w_shape: Sequence[int], attrs_a: Sequence[int], attrs_b: Sequence[int], *, residual: bool, reps: int = 7
+) -> tuple[float, float]:
+    """This conv layer's time in ms here under ``attrs_a`` and ``attrs_b``: the fastest of
+    ``reps`` runs each, the two run in turn (other processes only ever add time)."""
+    import tvm_ffi
+
+    load()
+    f = tvm_ffi.get_global_func("layerfuse.onednn.time_conv")
+    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs_a, attrs_b)]
+    a, b = f(*shapes, bool(residual), int(reps))
+    return float(a), float(b)
 
 
 def dense_implementation(n: int, k: int, m: int) -> str:

@@ -18,11 +18,13 @@
 //
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
 //   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
-//            dilation_w, groups, act, src_blocked, dst_blocked, alpha, beta); act: 0 none,
+//            dilation_w, groups, act, src_blocked, dst_blocked, alpha, beta, algorithm); act: 0 none,
 //   1 relu (alpha: negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu
 //   (x * sigmoid(x)), 4 sigmoid; alpha and beta are the bits of a float32 (an integer shape
 //   entry costs the VM nothing, a float argument a kernel launch each); dst_blocked is a bit
-//   mask, bit j for out_j. The BatchNorm of the layer is already folded into w and b.
+//   mask, bit j for out_j; algorithm: 0 direct, 1 Winograd (oneDNN's F(4x4, 3x3) or F(2x2, 3x3)
+//   kernels: 3x3, stride 1, fewer multiplies, chosen per layer by timing at compile time).
+//   The BatchNorm of the layer is already folded into w and b.
 //
 // Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
 // layers of this library, and C % 16 == 0 - oneDNN's blocked nChw16c (same size, same
@@ -55,10 +57,14 @@
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
 //       "jit:avx512_core" or "jit_1x1:avx512_core"; the compiler refuses "ref:" kernels.
+//   layerfuse.onednn.time_conv(x_shape, w_shape, attrs_a, attrs_b, residual, reps) -> [ms_a, ms_b]
+//       that layer's time here under two attrs, fastest of reps interleaved runs each
+//       (for the algorithm choice)
 //   layerfuse.onednn.pool_implementation(x_shape, out_shape, attrs) -> str   the same, pools
 //   layerfuse.onednn.prologue_implementation(x_shape, blocked) -> str    the same, conv2d_pre's
 //       prologue
 
+#include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
@@ -66,8 +72,10 @@
 #include <tvm/ffi/string.h>
 
 #include <oneapi/dnnl/dnnl.hpp>
+#include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -97,10 +105,12 @@ float FloatBits(int64_t v) {
 struct Attrs {
   int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_blocked, dst_blocked;
   float alpha, beta;
+  int64_t algorithm;  // 0 direct, 1 Winograd
   static Attrs From(const Shape& a) {
-    if (a.size() != 14) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 14 entries, got " << a.size();
+    if (a.size() != 15) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 15 entries, got " << a.size();
+    if (a[14] != 0 && a[14] != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown conv algorithm " << a[14];
     return Attrs{{a[0], a[1]}, {a[2], a[3]}, {a[4], a[5]}, {a[6], a[7]}, a[8], a[9], a[10], a[11],
-                 FloatBits(a[12]), FloatBits(a[13])};
+                 FloatBits(a[12]), FloatBits(a[13]), a[14]};
   }
 };
 
@@ -127,7 +137,9 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
   dnnl::memory::desc bias({O}, dt::f32, tag::x);
   dims wdims = G == 1 ? dims{O, C, kh, kw} : dims{G, O / G, C / G, kh, kw};
   dnnl::memory::desc wei(wdims, dt::f32, tag::any);
-  dnnl::convolution_forward::desc d(dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, src, wei,
+  const dnnl::algorithm algorithm =
+      at.algorithm == 1 ? dnnl::algorithm::convolution_winograd : dnnl::algorithm::convolution_direct;
+  dnnl::convolution_forward::desc d(dnnl::prop_kind::forward_inference, algorithm, src, wei,
                                     bias, dst, {at.stride[0], at.stride[1]},
                                     {at.dilation[0] - 1, at.dilation[1] - 1}, {at.pad_l[0], at.pad_l[1]},
                                     {at.pad_r[0], at.pad_r[1]});
@@ -527,8 +539,10 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
 
 // out = x @ w + b (the classifier: Gemm / Linear), x [N, K], w [K, M], b [M], out [N, M], as a
 // oneDNN matmul primitive made once per shape.
+// The weights are reordered once into the layout the primitive prefers (packed for its
+// brgemm kernel), checked by fingerprint like a conv's.
 dnnl::matmul::primitive_desc DenseDesc(int64_t N, int64_t K, int64_t M) {
-  dnnl::memory::desc src({N, K}, dt::f32, tag::ab), wei({K, M}, dt::f32, tag::ab), bias({1, M}, dt::f32, tag::ab),
+  dnnl::memory::desc src({N, K}, dt::f32, tag::ab), wei({K, M}, dt::f32, tag::any), bias({1, M}, dt::f32, tag::ab),
       dst({N, M}, dt::f32, tag::ab);
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, bias, dst), Engine());
 }
@@ -545,21 +559,30 @@ void Dense(TensorView x, TensorView w, TensorView b, TensorView out) {
     struct Prim {
       dnnl::matmul::primitive_desc pd;
       dnnl::matmul prim;
+      dnnl::memory weights;  // in pd.weights_desc(), owned
+      std::vector<float> fingerprint;
     };
     static auto* prims = new std::unordered_map<std::string, std::unique_ptr<Prim>>();
     std::ostringstream key;
-    key << N << ',' << K << ',' << M;
+    key << N << ',' << K << ',' << M << ':' << static_cast<const void*>(Data(w));
     auto it = prims->find(key.str());
-    if (it == prims->end()) {
+    if (it == prims->end() || it->second->fingerprint != Fingerprint(Data(w), K * M)) {
       auto p = std::make_unique<Prim>();
       p->pd = DenseDesc(N, K, M);
       p->prim = dnnl::matmul(p->pd);
-      it = prims->emplace(key.str(), std::move(p)).first;
+      dnnl::memory user(dnnl::memory::desc({K, M}, dt::f32, tag::ab), Engine(), const_cast<float*>(Data(w)));
+      p->weights = dnnl::memory(p->pd.weights_desc(), Engine());
+      dnnl::stream s(Engine());
+      dnnl::reorder(user, p->weights).execute(s, user, p->weights);
+      s.wait();
+      p->fingerprint = Fingerprint(Data(w), K * M);
+      (*prims)[key.str()] = std::move(p);
+      it = prims->find(key.str());
     }
     const Prim& p = *it->second;
     dnnl::stream s(Engine());
     p.prim.execute(s, {{DNNL_ARG_SRC, dnnl::memory(p.pd.src_desc(), Engine(), const_cast<float*>(Data(x)))},
-                       {DNNL_ARG_WEIGHTS, dnnl::memory(p.pd.weights_desc(), Engine(), const_cast<float*>(Data(w)))},
+                       {DNNL_ARG_WEIGHTS, p.weights},
                        {DNNL_ARG_BIAS, dnnl::memory(p.pd.bias_desc(), Engine(), const_cast<float*>(Data(b)))},
                        {DNNL_ARG_DST, dnnl::memory(p.pd.dst_desc(), Engine(), const_cast<float*>(Data(out)))}});
     s.wait();
@@ -660,6 +683,61 @@ String Implementation(Shape x, Shape w, Shape attrs, bool residual) {
   }
 }
 
+// The time (ms) of this conv layer on this machine under each of two attrs (e.g. direct and
+// Winograd): the fastest of `reps` runs each, the two run in turn (weights, src and residual
+// filled with a fixed pattern; weight reorders are not timed). The minimum of interleaved
+// runs, because other processes on the machine only ever add time; on one thread, because an
+// OpenMP barrier waiting for a thread that another process holds off its core adds whole
+// scheduler time slices (8 ms and more on a busy 2-core machine), which would decide the
+// choice instead of the kernels. For the tactic choice between algorithms at compile time.
+tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b, bool residual, int64_t reps) {
+  if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
+  try {
+    std::lock_guard<std::mutex> lock(Mutex());
+    // one thread from before the primitives are made: oneDNN fixes a kernel's thread count then
+    struct OneThread {  // restored however this function ends
+      int saved = omp_get_max_threads();
+      OneThread() { omp_set_num_threads(1); }
+      ~OneThread() { omp_set_num_threads(saved); }
+    } one_thread;
+    struct Timed {
+      dnnl::convolution_forward prim;
+      std::unordered_map<int, dnnl::memory> args;
+      double best = 1e300;
+    };
+    auto filled = [](const dnnl::memory::desc& md) {
+      dnnl::memory m(md, Engine());
+      float* p = static_cast<float*>(m.get_data_handle());
+      const size_t n = md.get_size() / sizeof(float);
+      for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) * 1e-3f;
+      return m;
+    };
+    std::vector<Timed> timed;
+    for (const Shape* attrs : {&attrs_a, &attrs_b}) {
+      const Attrs at = Attrs::From(*attrs);
+      auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, at.dst_blocked & 1);
+      timed.push_back(Timed{dnnl::convolution_forward(pd),
+                            {{DNNL_ARG_SRC, filled(pd.src_desc())},
+                             {DNNL_ARG_WEIGHTS, filled(pd.weights_desc())},
+                             {DNNL_ARG_BIAS, filled(pd.bias_desc())},
+                             {DNNL_ARG_DST, filled(pd.dst_desc())}}});
+    }
+    dnnl::stream s(Engine());
+    for (int64_t k = -1; k < std::max<int64_t>(reps, 1); ++k) {  // one warm-up run each
+      for (Timed& t : timed) {
+        const auto t0 = std::chrono::steady_clock::now();
+        t.prim.execute(s, t.args);
+        s.wait();
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (k >= 0) t.best = std::min(t.best, ms);
+      }
+    }
+    return tvm::ffi::Array<double>{timed[0].best, timed[1].best};
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
 String Version() {
   const dnnl_version_t* v = dnnl_version();
   std::ostringstream os;
@@ -690,5 +768,6 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.concat", Function::FromPacked(layerfuse_onednn::ConcatChannels), true);
   Function::SetGlobal("layerfuse.onednn.to_blocked", Function::FromTyped(layerfuse_onednn::ToBlocked), true);
   Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);
+  Function::SetGlobal("layerfuse.onednn.time_conv", Function::FromTyped(layerfuse_onednn::TimeConv), true);
   Function::SetGlobal("layerfuse.onednn.version", Function::FromTyped(layerfuse_onednn::Version), true);
 }

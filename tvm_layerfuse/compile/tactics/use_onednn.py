@@ -17,7 +17,7 @@ so the call becomes::
                           (x, W, reshape(b, [O]) [, r], attrs), R.Tensor(y.shape))
 
 with ``attrs = (stride_h, stride_w, pad_t, pad_l, pad_b, pad_r, dil_h, dil_w, groups, act,
-src_blocked, dst_blocked, bits(alpha), bits(beta))`` and ``act``: 0 none, 1 relu (``alpha``:
+src_blocked, dst_blocked, bits(alpha), bits(beta), algorithm)`` and ``act``: 0 none, 1 relu (``alpha``:
 LeakyRelu's slope), 2 clip [``alpha``, ``beta``], 3 silu, 4 sigmoid; ``bits`` is the float32's
 bit pattern (integer shape entries cost the VM nothing; a float argument costs a kernel
 launch). Other epilogues (gates, adds after the activation, hard-sigmoid/swish, GELU, PReLU)
@@ -62,8 +62,17 @@ into the residual's buffer (``call_tir_inplace`` of a TIR wrapper, see
 The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
 bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_info_str`` not
-``ref:``); otherwise ``tvm`` (TVM's own kernel), with the reason. ``pass.layers`` lists
-every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout"}``: conv layers,
+``ref:``); otherwise ``tvm`` (TVM's own kernel), with the reason. Within ``onednn`` the conv
+algorithm (``algorithm``: 0 direct, 1 Winograd) is chosen by timing, as TensorRT times its
+tactics: where oneDNN has a Winograd kernel for the layer (3x3, stride 1, no groups), both
+are timed on this machine at compile time (``layerfuse.onednn.time_conv``: the fastest of 7
+runs each, the two in turn, on one thread, so that other processes on the machine cannot
+decide the choice) and Winograd is kept when it is at least ``WINOGRAD_GAIN`` faster. Winograd computes
+the same convolution with fewer multiplies (F(4x4, 3x3): 36 instead of 144 per 4x4 output
+tile and channel pair); its rounding differs from the direct sum by about 1e-6 relative.
+``UseOneDNNConv(winograd="never")`` keeps every layer direct, ``"always"`` takes Winograd
+wherever oneDNN has it (tests). ``pass.layers`` lists
+every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout", "timing"}``: conv layers,
 pools (``pool:<var>``, tactic ``onednn``), the classifier (``dense:<var>``: ``x @ w + b`` as a
 oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, or ``in-place``).
 """
@@ -92,6 +101,8 @@ from . import onednn
 log = logging.getLogger(__name__)
 
 ACT_CODES = {None: 0, "relu": 1, "leakyrelu": 1, "clip": 2, "silu": 3, "sigmoid": 4}
+WINOGRAD_CHOICES = ("timed", "never", "always")
+WINOGRAD_GAIN = 1.05  # Winograd is kept when direct takes at least this many times as long
 
 
 @dataclass
@@ -104,6 +115,7 @@ class LayerChoice:
     reason: str = ""  # why not oneDNN, when "tvm"
     shape: str = ""  # "x[1,64,56,56] w[64,64,3,3]"
     layout: str = ""  # "nchw>nChw16c": the src and dst bytes in the graph, when "onednn"
+    timing: str = ""  # "direct 5.84 ms, winograd 2.15 ms": the algorithm choice, when timed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,9 +147,15 @@ class UseOneDNNConv:
     (names as in ``pass.layers``), None allows all.
     """
 
-    def __init__(self, *, params: Optional[Mapping[str, Any]] = None, only: Optional[set] = None) -> None:
+    def __init__(
+        self, *, params: Optional[Mapping[str, Any]] = None, only: Optional[set] = None, winograd: str = "timed"
+    ) -> None:
+        if winograd not in WINOGRAD_CHOICES:
+            raise ValueError(f"winograd={winograd!r}; expected one of {', '.join(WINOGRAD_CHOICES)}")
         self.params = dict(params or {})
         self.only = only
+        self.winograd = winograd
+        self.timings: dict[tuple, tuple[float, float]] = {}  # (x, w, attrs, residual) -> (direct, winograd) ms
         self.layers: list[LayerChoice] = []
         self.bound: dict = {}  # var -> value in the function being rewritten (clip bounds)
         self.residuals: list[tuple[str, str]] = []  # (conv2d_add's variable, "in-place" | why it copies)
@@ -186,9 +204,36 @@ class UseOneDNNConv:
         except Refused as r:
             self.layers.append(LayerChoice(name, "tvm", reason=str(r), shape=shape))
             return None
-        self.layers.append(LayerChoice(name, "onednn", kernel=kernel, shape=shape))
+        kernel, timing = self._algorithm(attrs, kernel, x_shape, w_shape, residual=ep.residual is not None)
+        self.layers.append(LayerChoice(name, "onednn", kernel=kernel, shape=shape, timing=timing))
         func = onednn.FUNCTIONS["conv2d_pre" if ep.pre is not None else "conv2d_add" if ep.residual is not None else "conv2d"]
         return func, attrs
+
+    def _algorithm(self, attrs: list, kernel: str, x_shape, w_shape, *, residual: bool) -> tuple[str, str]:
+        """Set ``attrs[14]`` (the conv algorithm) for this layer; (kernel, timing text)."""
+        if self.winograd == "never" or list(w_shape[2:]) != [3, 3] or attrs[:2] != [1, 1] or attrs[6:9] != [1, 1, 1]:
+            return kernel, ""
+        wino = list(attrs)
+        wino[14] = 1
+        # timed in the layout the layer will most likely get (blocked where C and O allow it)
+        wino[10], wino[11] = int(x_shape[1] % BLOCK == 0), int(w_shape[0] % BLOCK == 0)
+        wino_kernel = onednn.implementation(x_shape, w_shape, wino, residual=residual)
+        if wino_kernel.startswith(("ref", "unsupported")):
+            return kernel, ""
+        if self.winograd == "always":
+            attrs[14] = 1
+            return wino_kernel, "winograd (always)"
+        key = (tuple(x_shape), tuple(w_shape), tuple(wino), residual)
+        if key not in self.timings:
+            direct = list(wino)
+            direct[14] = 0
+            self.timings[key] = onednn.time_conv(x_shape, w_shape, direct, wino, residual=residual)
+        t_direct, t_wino = self.timings[key]
+        timing = f"direct {t_direct:.3f} ms, winograd {t_wino:.3f} ms"
+        if t_wino <= t_direct / WINOGRAD_GAIN:
+            attrs[14] = 1
+            return wino_kernel, timing
+        return kernel, timing
 
     def _attrs(self, ep: _Epilogue, x_shape, w_shape, out_shape) -> list[int]:
         reason = conv2d_layout_reason(ep.conv)
@@ -212,7 +257,7 @@ class UseOneDNNConv:
         if list(out_shape[2:]) != want or min(want) < 1 or out_shape[1] != w_shape[0] or out_shape[0] != x_shape[0]:
             raise Refused(f"the conv's output {list(out_shape)} is not the {want} oneDNN computes")
         bits = [onednn.float_bits(ep.alpha), onednn.float_bits(ep.beta)]
-        return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act], 0, 0, *bits]
+        return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act], 0, 0, *bits, 0]
 
     def constant(self, expr: relax.Expr, caller_args: Mapping) -> float:
         """The value of a scalar clip bound (a constant, a weight parameter's value, or a
