@@ -5,14 +5,21 @@ storage it hands to a later tensor while the result is still read would corrupt 
 r is read later, the copy stays. Compared with onnxruntime (optimisations off, rel. error
 <= 1e-4) on networks whose planned storage is reused along a deep residual chain."""
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import tvm
 from tvm import relax
 
 from graphs import rel_err
+from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.tactics import onednn
 from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
@@ -164,3 +171,27 @@ def test_channels_not_a_multiple_of_16_stay_blocked_padded():
                 out_channels[int(args[1].ty.shape[0])] = int(b.var.ty.shape[1])
     assert out_channels[24] == 32 and out_channels[40] == 48 and out_channels[8] == 8, out_channels
     assert "to_blocked" not in code
+
+
+def test_in_place_residuals_run_from_an_artifact_in_a_runtime_only_process(tmp_path):
+    """The TIR wrapper finds the library's function by name at run time: an artifact loaded
+    with the TVM runtime alone (no compiler) runs the in-place residual convs."""
+    model = _odd_channels_net(seed=4)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    out = compile_model(path, tmp_path / "art", target="cpu", progress=False)
+    assert json.loads((out / "manifest.json").read_text())["tactics"]["used"] == "onednn"
+    feeds = random_inputs(model, 2)
+    np.savez(tmp_path / "x.npz", **feeds)
+    script = (
+        "import sys, numpy as np\n"
+        "from tvm_layerfuse.runtime import load\n"
+        f"y = load({str(out)!r}).run(dict(np.load({str(tmp_path / 'x.npz')!r})))\n"
+        f"np.savez({str(tmp_path / 'y.npz')!r}, **y)\n"
+        "assert 'tvm.relax' not in sys.modules\n"
+    )
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (expected,) = run_onnxruntime(model, feeds)
+    assert rel_err(np.load(tmp_path / "y.npz")["output"], expected) <= RTOL
