@@ -22,7 +22,7 @@ from graphs import rel_err
 from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.tactics import onednn
-from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
+from tvm_layerfuse.compile.tactics.use_onednn import INPLACE_WRAPPER, LibraryWrites, UseOneDNNConv, library_writes
 from tvm_layerfuse.lowering import layerfuse_pipeline
 from tvm_layerfuse.relax.pipeline import fuse_with_report
 from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo
@@ -31,7 +31,7 @@ from tvm_layerfuse.testing._builder import NetBuilder
 RTOL = 1e-4
 MISSING = onednn.availability()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
-WRAPPER = "layerfuse_onednn_conv2d_add_inplace"
+WRAPPER = INPLACE_WRAPPER
 
 
 def _compile_and_compare(model):
@@ -117,6 +117,12 @@ def test_residual_read_later_keeps_the_copy(case):
     assert KEPT[case] in sorted(choices)[1], choices
     assert len(_inplace_calls(mod)) == 1
     assert code.count("call  layerfuse.onednn.conv2d_add ") == 1  # the copying call is still there
+    # bytes written (compile report, bench_tactics --bytes): the copy of r counts, in place nothing extra
+    tensor_bytes = 1 * 24 * 12 * 12 * 4
+    (inplace,) = _inplace_calls(mod)
+    assert library_writes(inplace) == LibraryWrites(computed=tensor_bytes, copied=0, scratch=0, residual=0)
+    residual_copies = [library_writes(b.value).residual for b in mod["main"].body.blocks[0].bindings if library_writes(b.value)]
+    assert sorted(r for r in residual_copies if r) == [tensor_bytes]
 
 
 def _odd_channels_net(seed: int = 9):
