@@ -26,7 +26,7 @@ TARGET = tvm.target.Target("llvm")
 
 def _calls(mod: tvm.IRModule) -> list[tuple]:
     """(bound variable, library function, arguments) of every oneDNN call in ``main``, in order."""
-    from tvm_layerfuse.compile.tactics.use_onednn import _onednn_call
+    from tvm_layerfuse.compile.tactics.onednn_layout import onednn_call as _onednn_call
 
     bindings = [b for block in mod["main"].body.blocks for b in block.bindings]
     return [(b.var, *_onednn_call(b.value)) for b in bindings if _onednn_call(b.value) is not None]
@@ -105,7 +105,7 @@ def _pieces_into_block(seed: int):
 
 
 def test_a_prologue_reading_pieces_writes_its_channels_of_another_concat():
-    from tvm_layerfuse.compile.tactics.use_onednn import library_writes
+    from tvm_layerfuse.compile.tactics.onednn_inplace import library_writes
 
     model = _pieces_into_block(seed=41)
     assert_live(model)

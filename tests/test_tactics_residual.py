@@ -22,7 +22,8 @@ from graphs import rel_err
 from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.tactics import onednn
-from tvm_layerfuse.compile.tactics.use_onednn import INPLACE_WRAPPER, LibraryWrites, UseOneDNNConv, library_writes
+from tvm_layerfuse.compile.tactics.onednn_inplace import INPLACE_WRAPPER, LibraryWrites, library_writes
+from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
 from tvm_layerfuse.lowering import layerfuse_pipeline
 from tvm_layerfuse.relax.pipeline import fuse_with_report
 from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo

@@ -32,13 +32,13 @@ def activation_bytes_written(mod) -> dict[str, int]:
     of their outputs: ``{"compute": ..., "split": ..., "library": ..., "scratch": ...}``
     (``library``: what tactic-library calls compute into their outputs, and the residuals
     they copy in first where a residual conv is not in place; ``scratch``: what
-    they write into buffers of their own, see :func:`..tactics.use_onednn.library_writes`);
+    they write into buffers of their own, see :func:`..tactics.onednn_inplace.library_writes`);
     copies into a concatenate are counted by :func:`tvm_layerfuse.lowering.concat_report`
     instead."""
     import tvm
     from tvm import relax
 
-    from .tactics.use_onednn import library_writes
+    from .tactics.onednn_inplace import library_writes
 
     prims = {gv for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
     out = {"compute": 0, "split": 0, "library": 0, "scratch": 0}

@@ -1,0 +1,24 @@
+"""The tactic chosen for one layer: what :class:`.use_onednn.UseOneDNNConv` and its data
+movement steps record for every layer they look at, and what the manifest's ``tactics.layers``
+holds (``inspect`` shows it)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class LayerChoice:
+    """The tactic of one layer (a conv, pool, concat or the classifier)."""
+
+    layer: str  # the fused function (or the bound variable of a bare conv)
+    tactic: str  # "onednn" | "tvm"
+    kernel: str = ""  # oneDNN's implementation name when "onednn"
+    reason: str = ""  # why not oneDNN, when "tvm"
+    shape: str = ""  # "x[1,64,56,56] w[64,64,3,3]"
+    layout: str = ""  # "nchw>nChw16c": the src and dst bytes in the graph, when "onednn"
+    timing: str = ""  # "direct 5.84 ms, winograd 2.15 ms": the algorithm choice, when timed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
