@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import onnx
@@ -628,6 +628,31 @@ class NetBuilder:
         x = self.flatten(x)
         with self.scope(fc_scope):
             return self.linear(x, num_classes)
+
+    def squeeze_excitation(
+        self,
+        x: str,
+        squeeze: int,
+        *,
+        activation: Callable[[str], str],
+        scale_activation: Callable[[str], str],
+        activation_scope: str = "activation",
+    ) -> str:
+        """torchvision's SqueezeExcitation: AdaptiveAvgPool2d(1) -> fc1 1x1 conv (``squeeze``
+        channels) -> ``activation`` -> fc2 1x1 conv (back to x's channels) ->
+        ``scale_activation`` -> ``Mul(scale, x)``; ``activation_scope`` names the middle module."""
+        channels = self.shapes[x][1]
+        with self.scope("avgpool"):
+            s = self.global_avgpool(x)
+        with self.scope("fc1"):
+            s = self.conv(s, squeeze, 1)  # [N, squeeze, 1, 1]
+        with self.scope(activation_scope):
+            s = activation(s)
+        with self.scope("fc2"):
+            s = self.conv(s, channels, 1)  # [N, C, 1, 1]
+        with self.scope("scale_activation"):
+            s = scale_activation(s)
+        return self.mul(s, x)
 
     # ------------------------------------------------------------------ finish
     def build(

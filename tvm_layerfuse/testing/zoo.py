@@ -688,19 +688,8 @@ def efficientnet_like(
                         j += 1
                     y = cna(y, j, expanded, k, stride=stride, groups=expanded)
                     j += 1
-                    with b.scope(j):  # SqueezeExcitation
-                        squeeze = max(1, cin // 4)
-                        with b.scope("avgpool"):
-                            s_ = b.global_avgpool(y)
-                        with b.scope("fc1"):
-                            s_ = b.conv(s_, squeeze, 1)
-                        with b.scope("activation"):
-                            s_ = b.silu(s_)
-                        with b.scope("fc2"):
-                            s_ = b.conv(s_, expanded, 1)
-                        with b.scope("scale_activation"):
-                            s_ = b.sigmoid(s_)
-                        y = b.mul(s_, y)
+                    with b.scope(j):
+                        y = b.squeeze_excitation(y, max(1, cin // 4), activation=b.silu, scale_activation=b.sigmoid)
                     j += 1
                     with b.scope(j):
                         y = b.conv_bn(y, cout, 1, conv_scope=0, bn_scope=1, eps=eps)
