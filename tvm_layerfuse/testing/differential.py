@@ -54,6 +54,7 @@ import onnx
 from onnx import helper
 
 from ..errors import first_line
+from ..topology.reference import session
 from .checks import plan_violations, relative_error
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,6 @@ def output_scales(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> dict
 def run_reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
     """onnxruntime (CPU, optimisations off, one thread): the outputs, and every tensor by name
     (inputs, initializers and intermediate values) for :func:`output_scales`."""
-    import onnxruntime as ort
     from onnx import numpy_helper
 
     m = onnx.ModelProto()
@@ -154,13 +154,7 @@ def run_reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple
     extra = [o for n in m.graph.node for o in n.output if o and o not in declared]
     for o in dict.fromkeys(extra):
         m.graph.output.append(helper.make_empty_tensor_value_info(o))
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = session(m, threads=1)
     names = [o.name for o in sess.get_outputs()]
     got = dict(zip(names, sess.run(None, feeds)))
     values = dict(feeds)
@@ -170,16 +164,8 @@ def run_reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple
 
 
 def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
+    """onnxruntime (CPU, optimisations off, one thread): every graph output."""
+    return session(model, threads=1).run(None, feeds)
 
 
 # ---------------------------------------------------------------------- plan invariants
