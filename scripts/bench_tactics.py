@@ -2,6 +2,7 @@
 
 Usage: python scripts/bench_tactics.py [NAME ...] [--rounds 15] [--default-rounds 3]
                                        [--threads 2] [--breakdown] [--png FILE]
+       python scripts/bench_tactics.py [NAME ...] --bytes
 
 NAME: zoo builders (tvm_layerfuse.testing.zoo) at full width with seeded weights:
 googlenet, inception_v3 (299x299), resnet50, squeezenet1_1, densenet121, mobilenet_v2
@@ -18,11 +19,19 @@ ratios, and with ``--breakdown`` the time of each side's calls grouped by kind (
 pool / concat / element-wise / layout / other), measured with the VM's instrument hook in
 a separate, un-timed run (the hook adds Python overhead per call). ``--png FILE`` also writes
 a bar chart of each side's median over onnxruntime's (needs matplotlib: ``pip install -e ".[bench]"``).
+
+``--bytes`` (no timing) prints, per model, what one inference writes and launches: TVM's
+default pipeline against layerfuse with the tactics, with and without conv prologues reading
+a concat's pieces (``UseOneDNNConv(pieces=False)``: the concat materialised). Bytes written =
+the outputs of TVM's compute kernels + what library calls compute into their outputs + the
+prologues' scratch + every concatenate copy (:func:`tvm_layerfuse.compile.report.total_bytes_written`);
+kernel launches and the planned peak activation memory are read from the executable.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -50,9 +59,10 @@ import tvm  # noqa: E402 (after the thread settings)
 from tvm import relax  # noqa: E402 (after the thread settings)
 
 from tvm_layerfuse.compile.presets import resolve  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.compile.report import activation_bytes_written, total_bytes_written  # noqa: E402 (after the thread settings)
 from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv  # noqa: E402 (after the thread settings)
-from tvm_layerfuse.lowering import layerfuse_pipeline  # noqa: E402 (after the thread settings)
-from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.lowering import concat_report, layerfuse_pipeline  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.relax.pipeline import fuse_with_report, lower, unfused  # noqa: E402 (after the thread settings)
 from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo  # noqa: E402 (after the thread settings)
 
 MODELS = {  # torchvision's full configurations
@@ -170,6 +180,41 @@ def bench(name: str, args) -> dict:
     return res
 
 
+def bytes_table(name: str) -> list[dict]:
+    """Per side: kernel launches, bytes written (and the parts), planned peak (see --bytes)."""
+    builder = getattr(zoo, name)
+    quick = {"calibrate": False} if "calibrate" in inspect.signature(builder).parameters else {}  # counting needs no statistics
+    model = builder(width=1.0, num_classes=1000, seed=0, **quick, **MODELS[name])
+    target = resolve("cpu").tvm_target()
+    rows = []
+    plain = unfused(model)
+    rep = concat_report(plain, target=target, layerfuse=False)
+    written = activation_bytes_written(lower(plain, target=target))
+    rows.append(dict(side="tvm-default", report=rep, written=written))
+    fused = fuse_with_report(model, bind=True).mod
+    for side, pieces in (("layerfuse, concat copied", False), ("layerfuse", True)):
+        mod = UseOneDNNConv(pieces=pieces)(fused)
+        rep = concat_report(tvm.compile(mod, target=target, relax_pipeline=layerfuse_pipeline(target)))
+        rows.append(dict(side=side, report=rep, written=activation_bytes_written(lower(mod, target=target))))
+    for r in rows:
+        r["total"] = total_bytes_written(r["written"], r["report"])
+    return rows
+
+
+def print_bytes(name: str, rows: list[dict]) -> None:
+    mb = 1e-6
+    print(f"## {name}: per inference, batch 1 (MB = 1e6 bytes)")
+    print("| side | kernel launches | bytes written | kernels + library outputs | concat copies | prologue scratch "
+          "| peak activation memory |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        w, rep = r["written"], r["report"]
+        outputs = w["compute"] + (w["split"] if rep["split_kernels"] else 0) + w["library"]
+        print(f"| {r['side']} | {rep['kernels']} | {r['total'] * mb:.1f} MB | {outputs * mb:.1f} MB "
+              f"| {rep['concat_bytes_copied'] * mb:.1f} MB | {w['scratch'] * mb:.1f} MB | {rep['activation_bytes'] * mb:.2f} MB |")
+    print()
+
+
 def report(results, args) -> None:
     print(f"# bench_tactics: batch 1, fp32, {args.threads} threads, {args.clock} clock, {args.rounds} interleaved rounds "
           f"(tvm-default: {args.default_rounds}); medians in ms, [min-max]")
@@ -241,6 +286,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--png", metavar="FILE", help="also write a bar chart of the ratios to onnxruntime (needs matplotlib)")
+    ap.add_argument("--bytes", action="store_true", help="print bytes written, kernel launches and peak memory (no timing)")
     ap.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -258,6 +304,10 @@ def main() -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             sys.exit(f'error: --png {args.png} needs matplotlib, which is not installed; install it with pip install -e ".[bench]"')
+    if args.bytes:
+        for name in args.names:
+            print_bytes(name, bytes_table(name))
+        return
     results = []
     for name in args.names:
         results.append(bench(name, args))

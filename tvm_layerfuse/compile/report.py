@@ -7,6 +7,8 @@ lowering passes after FuseTIR. Counted on ``main``:
 * kernel launches per inference (calls of TIR PrimFuncs), and how many are convolutions;
 * bytes written per inference: the output tensors of every compute kernel (the
   activations that go through memory) plus what copy kernels (concatenate, split) write;
+  with the oneDNN tactic, also what its library calls write: their outputs and the scratch
+  their conv prologues normalise the input into (:func:`total_bytes_written`);
 * concatenate and split kernels that only copy, and the bytes the concatenates copy;
   concatenates ``FuseOps`` fused into a computing consumer (e.g. BatchNorm + ReLU) are no
   copy but write the joined features again, normalised (counted apart);
@@ -27,13 +29,18 @@ _MOVEMENT = re.compile(r"(fused|concatenate|split|strided|slice|reshape|squeeze|
 
 def activation_bytes_written(mod) -> dict[str, int]:
     """Bytes the kernels of a lowered (FuseTIR'd) module write per inference, from the types
-    of their outputs: ``{"compute": ..., "split": ...}``; copies into a concatenate are
-    counted by :func:`tvm_layerfuse.lowering.concat_report` instead."""
+    of their outputs: ``{"compute": ..., "split": ..., "library": ..., "scratch": ...}``
+    (``library``: what tactic-library calls compute into their outputs; ``scratch``: what
+    they write into buffers of their own, see :func:`..tactics.use_onednn.library_writes`);
+    copies into a concatenate are counted by :func:`tvm_layerfuse.lowering.concat_report`
+    instead."""
     import tvm
     from tvm import relax
 
+    from .tactics.use_onednn import library_writes
+
     prims = {gv for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
-    out = {"compute": 0, "split": 0}
+    out = {"compute": 0, "split": 0, "library": 0, "scratch": 0}
 
     def nbytes(ty) -> int:
         fields = getattr(ty, "fields", None)
@@ -45,6 +52,11 @@ def activation_bytes_written(mod) -> dict[str, int]:
         return int(np.prod([int(d) for d in dims], dtype=np.int64)) * np.dtype(str(ty.dtype)).itemsize
 
     def visit(e):
+        writes = library_writes(e)
+        if writes is not None:
+            out["library"] += writes.computed
+            out["scratch"] += writes.scratch
+            return
         if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.call_tir" and e.args[0] in prims:
             tokens = [t for t in e.args[0].name_hint.split("_") if t]
             if all(_MOVEMENT.fullmatch(t) for t in tokens):
@@ -55,6 +67,14 @@ def activation_bytes_written(mod) -> dict[str, int]:
 
     relax.analysis.post_order_visit(mod["main"].body, visit)
     return out
+
+
+def total_bytes_written(written: Mapping[str, int], report: Mapping[str, Any]) -> int:
+    """Bytes written per inference: :func:`activation_bytes_written`'s ``written`` plus the
+    concatenate copies of ``report`` (:func:`tvm_layerfuse.lowering.concat_report`); split
+    outputs count where split kernels are left."""
+    split = written["split"] if report["split_kernels"] else 0
+    return written["compute"] + split + written.get("library", 0) + written.get("scratch", 0) + report["concat_bytes_copied"]
 
 
 def compare(
@@ -75,9 +95,7 @@ def compare(
     sides = {}
     for name, mod, layerfuse in (("default", plain, False), ("layerfuse", result.mod, True)):
         report = concat_report(mod, target=target, layerfuse=layerfuse)
-        written = activation_bytes_written(lower(mod, target=target))
-        split = written["split"] if report["split_kernels"] else 0
-        report["bytes_written"] = written["compute"] + split + report["concat_bytes_copied"]
+        report["bytes_written"] = total_bytes_written(activation_bytes_written(lower(mod, target=target)), report)
         sides[name] = report
     baseline, ours = sides["default"], sides["layerfuse"]
     horizontal = result.report.horizontal

@@ -393,16 +393,22 @@ def _ints(entry: str) -> Optional[list[int]]:
 _LIBRARY_COPY_CONCATS = ("layerfuse.onednn.concat",)
 # ... whose pieces convs write in place, except members of kind 0 (copies); see onednn_conv.cc
 _LIBRARY_CONCAT_CONVS = "layerfuse.onednn.concat_convs"
-_MEMBER_ARGS = {0: 1, 1: 4, 2: 6, 3: 5}  # arguments per member kind
+_MEMBER_ARGS = {0: 1, 1: 4, 3: 5}  # arguments per member kind; kind 2 (x_1..x_k, s, t, w, b, attrs): up to its attrs
 
 
-def _concat_convs_copies(spec: list[int], args: list[str], tensor_bytes: dict) -> int:
-    """Bytes the copy members of a ``concat_convs`` call copy (spec: blocked, kind, offset, ...)."""
+def _concat_convs_copies(spec: list[int], args: list[str], tensor_bytes: dict, is_shape) -> int:
+    """Bytes the copy members of a ``concat_convs`` call copy (spec: blocked, kind, offset, ...;
+    ``is_shape(arg)``: the argument is a shape constant, the attrs that end a kind-2 member)."""
     copied, a = 0, 0
     for kind in spec[1::2]:
         if kind == 0 and a < len(args):
             copied += tensor_bytes.get(args[a], 0)
-        a += _MEMBER_ARGS.get(kind, 1)
+        if kind == 2:
+            while a < len(args) and not is_shape(args[a]):
+                a += 1
+            a += 1
+        else:
+            a += _MEMBER_ARGS.get(kind, 1)
     return copied
 
 
@@ -437,7 +443,8 @@ def _report_executable(ex) -> dict[str, Any]:
                 concat += 1
                 copied += tensor_bytes.get(args[-1], 0)
             elif name == _LIBRARY_CONCAT_CONVS:  # convs write in place; its copy members copy
-                copied += _concat_convs_copies(_ints(const(args[0]) or "") or [], args[1:-1], tensor_bytes)
+                spec = _ints(const(args[0]) or "") or []
+                copied += _concat_convs_copies(spec, args[1:-1], tensor_bytes, lambda a: _ints(const(a) or "") is not None)
             elif "concatenate" in name:
                 fused += 1
             elif re.fullmatch(r"(fused_)?split\d*(_inplace\d*)?", name):

@@ -138,9 +138,11 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
     counts = info.get("counts") or {}
     if counts:
         lines.append("  " + ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))
-    for c in info.get("layers") or []:
+    layers = info.get("layers") or []
+    width = max([7, *(len(str(c.get("tactic", "?"))) for c in layers)])  # "onednn", "in-place", "read by prologues"
+    for c in layers:
         detail = c.get("kernel") or c.get("reason") or ""
         if c.get("timing"):
             detail += f" ({c['timing']})"
-        lines.append(f"  {c.get('layer', '?'):<40} {c.get('tactic', '?'):<7} {c.get('shape', ''):<32} {detail}")
+        lines.append(f"  {c.get('layer', '?'):<40} {c.get('tactic', '?'):<{width}} {c.get('shape', ''):<32} {detail}")
     return "\n".join(lines)

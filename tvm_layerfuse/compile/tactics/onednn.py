@@ -109,7 +109,7 @@ def build_extension() -> Path:
             path = tvm_ffi.cpp.build(
                 "layerfuse_onednn",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O2", "-DNDEBUG", "-fopenmp"],  # OpenMP: the thread count of time_conv
+                extra_cflags=["-O2", "-DNDEBUG", "-fopenmp"],  # OpenMP: time_conv's thread count, the prologue's loop
                 extra_ldflags=[*(f"-L{d}" for d in libdirs), "-ldnnl", "-fopenmp"],
                 extra_include_paths=[str(prefix / "include")],
                 build_directory=build_dir,
@@ -176,15 +176,6 @@ def dense_implementation(n: int, k: int, m: int) -> str:
 
     load()
     return str(tvm_ffi.get_global_func("layerfuse.onednn.dense_implementation")(tvm_ffi.Shape([int(n), int(k), int(m)])))
-
-
-def prologue_implementation(x_shape: Sequence[int], *, blocked: bool) -> str:
-    """The oneDNN kernel of ``conv2d_pre``'s prologue ``relu(x * s + t)`` for input ``x_shape``."""
-    import tvm_ffi
-
-    load()
-    f = tvm_ffi.get_global_func("layerfuse.onednn.prologue_implementation")
-    return str(f(tvm_ffi.Shape([int(d) for d in x_shape]), bool(blocked)))
 
 
 def pool_implementation(x_shape: Sequence[int], out_shape: Sequence[int], attrs: Sequence[int]) -> str:

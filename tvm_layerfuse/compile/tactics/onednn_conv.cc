@@ -9,9 +9,11 @@
 //       conv writes its split pieces; piece j is one conv with the rows o_j..o_j+O_j of w, b)
 //   layerfuse.onednn.conv2d_add  (x, w, b, r, attrs, out)
 //       out = act(conv2d(x, w) + b + r)      r: the residual, as oneDNN's `sum` post-op
-//   layerfuse.onednn.conv2d_pre  (x, s, t, w, b, attrs, out_1, ..., out_k)
-//       conv2d of relu(x * s + t) (s, t [C]: a pre-activation BatchNorm + ReLU, folded), the
-//       prologue as a oneDNN binary primitive (mul, post-ops add, relu) in x's layout
+//   layerfuse.onednn.conv2d_pre  (x_1, ..., x_k, s, t, w, b, attrs, out_1, ..., out_m)
+//       conv2d of relu(x * s + t), x = concat(x_1, ..., x_k) on channels (k >= 1; s, t [C]: a
+//       pre-activation BatchNorm + ReLU, folded): the prologue normalises each piece into its
+//       channel range of a scratch buffer in x's layout (see RunPre), so the concatenation is
+//       never written; k is found from attrs, the first Shape argument
 //
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
 //   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
@@ -56,8 +58,6 @@
 //       that layer's time here under two attrs, fastest of reps interleaved runs each
 //       (for the algorithm choice)
 //   layerfuse.onednn.pool_implementation(x_shape, out_shape, attrs) -> str   the same, pools
-//   layerfuse.onednn.prologue_implementation(x_shape, blocked) -> str    the same, conv2d_pre's
-//       prologue
 
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/shape.h>
@@ -290,60 +290,114 @@ void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& 
 }
 
 // The prologue of a pre-activation layer (DenseNet's BatchNorm + ReLU before the conv):
-// relu(x * s + t), s and t per input channel, as one oneDNN binary primitive (mul, post-ops
-// add and relu) into a buffer kept with it, in x's layout.
-struct Pre {
-  dnnl::binary::primitive_desc pd;
-  dnnl::binary prim;
-  dnnl::memory buf;
+// relu(x * s + t), s and t per input channel, into a scratch buffer kept per input shape and
+// layout, which the conv then reads. The input is one tensor or the pieces x_1..x_k of a
+// channel concatenation, which is never materialised: piece i is normalised with
+// s[c_i : c_i + C_i], t[c_i : ...] straight into its channel range of the scratch (per image
+// the contiguous range [c_i * H * W, (c_i + C_i) * H * W), in NCHW and - with c_i, C_i
+// multiples of 16 - in nChw16c). A vectorised loop (AVX-512 / AVX2 clones picked at load
+// time) over units of one channel (NCHW) or one 16-channel block (nChw16c) of one piece and
+// image, spread over oneDNN's OpenMP threads in one parallel region per call: measured on
+// DenseNet-121, one oneDNN binary primitive (mul, post-ops add and relu) per piece cost
+// 3 ms more per inference in call overhead (about 600 small pieces), and over a whole
+// single tensor the loop runs as fast as the primitive.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LAYERFUSE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define LAYERFUSE_CLONES
+#endif
+
+// y = max(x * s + t, 0) for hw pixels of one channel (NCHW)
+LAYERFUSE_CLONES void NormaliseChannel(const float* __restrict x, float s, float t, float* __restrict y, int64_t hw) {
+  int64_t p = 0;
+  for (; p + 16 <= hw; p += 16)  // a constant trip count: vectorised at -O2
+    for (int l = 0; l < 16; ++l) y[p + l] = std::max(x[p + l] * s + t, 0.f);
+  for (; p < hw; ++p) y[p] = std::max(x[p] * s + t, 0.f);
+}
+
+// the same for hw pixels of one 16-channel block (nChw16c: 16 channels per pixel)
+LAYERFUSE_CLONES void NormaliseBlock(const float* __restrict x, const float* __restrict s, const float* __restrict t,
+                                     float* __restrict y, int64_t hw) {
+  float sv[16], tv[16];
+  for (int l = 0; l < 16; ++l) sv[l] = s[l], tv[l] = t[l];
+  for (int64_t p = 0; p < hw; ++p)
+    for (int l = 0; l < 16; ++l) y[p * 16 + l] = std::max(x[p * 16 + l] * sv[l] + tv[l], 0.f);
+}
+
+// A conv's input: one tensor, or (with a prologue) the pieces of its channel concatenation.
+struct Input {
+  std::vector<TensorView> pieces;     // k >= 1; k > 1 only with a prologue
+  const TensorView* sc = nullptr;     // the prologue's s and t [C], or null
+  const TensorView* sh = nullptr;
 };
 
-dnnl::binary::primitive_desc PreDesc(const dims& d, bool blocked) {
-  // [1, C, 1, 1]: the same bytes in both layouts; described in x's, or oneDNN picks its
-  // reference kernel for the broadcast (a hundred times slower)
-  const dnnl::memory::desc per_channel({1, d[1], 1, 1}, dt::f32, blocked ? tag::nChw16c : tag::nchw);
-  dnnl::memory::desc src(d, dt::f32, blocked ? tag::nChw16c : tag::nchw);
-  dnnl::post_ops ops;
-  ops.append_binary(dnnl::algorithm::binary_add, per_channel);
-  ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, 0.f, 0.f);
-  dnnl::primitive_attr attr;
-  attr.set_post_ops(ops);
-  return dnnl::binary::primitive_desc(dnnl::binary::desc(dnnl::algorithm::binary_mul, src, per_channel, src), attr,
-                                      Engine());
-}
-
-const float* RunPre(const TensorView& x, const TensorView& sc, const TensorView& sh, bool blocked) {
-  const dims d = Dims(x.shape().data(), 4);
-  if (sc.numel() != d[1] || sh.numel() != d[1])
-    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: prologue scale/shift length != input channels";
-  static auto* pres = new std::unordered_map<std::string, std::unique_ptr<Pre>>();
-  std::ostringstream key;
-  for (auto v : d) key << v << ',';
-  key << blocked;
-  auto it = pres->find(key.str());
-  if (it == pres->end()) {
-    auto pre = std::make_unique<Pre>();
-    pre->pd = PreDesc(d, blocked);
-    pre->prim = dnnl::binary(pre->pd);
-    pre->buf = dnnl::memory(pre->pd.dst_desc(), Engine());
-    it = pres->emplace(key.str(), std::move(pre)).first;
+// [N, C, H, W] of the concatenation of the pieces (checked: same N, H, W; 4-d float32).
+dims InputDims(const Input& in) {
+  if (in.pieces.empty()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: no input";
+  if (in.pieces.size() > 1 && !in.sc) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: input pieces need a prologue";
+  dims d;
+  for (const TensorView& x : in.pieces) {
+    CheckTensor(x, 4, "input");
+    const dims xd = Dims(x.shape().data(), 4);
+    if (d.empty()) {
+      d = xd;
+    } else if (xd[0] != d[0] || xd[2] != d[2] || xd[3] != d[3]) {
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: input pieces differ in batch or spatial size";
+    } else {
+      d[1] += xd[1];
+    }
   }
-  const Pre& pre = *it->second;
-  const dnnl::memory::desc per_channel = pre.pd.src_desc(1);
-  dnnl::stream s(Engine());
-  pre.prim.execute(s, {{DNNL_ARG_SRC_0, dnnl::memory(pre.pd.src_desc(0), Engine(), const_cast<float*>(Data(x)))},
-                       {DNNL_ARG_SRC_1, dnnl::memory(per_channel, Engine(), const_cast<float*>(Data(sc)))},
-                       {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
-                        dnnl::memory(per_channel, Engine(), const_cast<float*>(Data(sh)))},
-                       {DNNL_ARG_DST, pre.buf}});
-  s.wait();
-  return static_cast<const float*>(pre.buf.get_data_handle());
+  return d;
 }
 
-// The conv of one call (mutex held): x, w, b [, r] [, prologue s, t] into the views outs.
-void RunLocked(const TensorView& x, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
-               const std::vector<View>& outs, const TensorView* sc, const TensorView* sh) {
-  CheckTensor(x, 4, "input");
+// relu(concat(pieces) * s + t) into the scratch for dims d (see the prologue above), mutex held.
+const float* RunPre(const Input& in, const dims& d, bool blocked) {
+  const int64_t N = d[0], C = d[1], HW = d[2] * d[3];
+  if (in.sc->numel() != C || in.sh->numel() != C)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: prologue scale/shift length != input channels";
+  static auto* scratch = new std::unordered_map<std::string, dnnl::memory>();
+  std::ostringstream key;
+  for (auto e : d) key << e << ',';
+  key << blocked;
+  auto buf = scratch->find(key.str());
+  if (buf == scratch->end())
+    buf = scratch->emplace(key.str(), dnnl::memory({d, dt::f32, blocked ? tag::nChw16c : tag::nchw}, Engine())).first;
+  float* out = static_cast<float*>(buf->second.get_data_handle());
+  struct Unit {  // one channel (NCHW) or 16-channel block (nChw16c) of one piece and image
+    const float* x;
+    int64_t c;  // its first channel in the concatenation
+    float* y;
+  };
+  std::vector<Unit> units;
+  const int64_t step = blocked ? 16 : 1;
+  int64_t c = 0;  // the piece's first channel
+  for (const TensorView& x : in.pieces) {
+    const int64_t Ci = x.shape()[1];
+    if (blocked && (c % 16 || Ci % 16))
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: blocked input pieces need channels in multiples of 16";
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t u = 0; u < Ci; u += step) units.push_back(Unit{Data(x) + (n * Ci + u) * HW, c + u, out + (n * C + c + u) * HW});
+    c += Ci;
+  }
+  const float* sc = Data(*in.sc);
+  const float* sh = Data(*in.sh);
+  const int64_t count = static_cast<int64_t>(units.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) {
+    const Unit& u = units[i];
+    if (blocked) {
+      NormaliseBlock(u.x, sc + u.c, sh + u.c, u.y, HW);
+    } else {
+      NormaliseChannel(u.x, sc[u.c], sh[u.c], u.y, HW);
+    }
+  }
+  return out;
+}
+
+// The conv of one call (mutex held): the input (its prologue first), w, b [, r] into the views outs.
+void RunLocked(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
+               const std::vector<View>& outs) {
+  const dims x_dims = InputDims(in);
   CheckTensor(w, 4, "weight");
   CheckTensor(b, 1, "bias");
   if (r) CheckTensor(*r, 4, "residual");
@@ -354,20 +408,20 @@ void RunLocked(const TensorView& x, const TensorView& w, const TensorView& b, co
   if (b.shape()[0] != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
   const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];  // weights per output channel
   int64_t o = 0;  // output channels done
-  const float* xdata = sc ? RunPre(x, *sc, *sh, at.src_blocked) : Data(x);
+  const float* xdata = in.sc ? RunPre(in, x_dims, at.src_blocked) : Data(in.pieces[0]);
   for (size_t j = 0; j < outs.size(); ++j) {
     const int64_t Oj = outs[j].shape[1];
     if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
     if (r && outs[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
     Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
-    RunRows(xdata, Dims(x.shape().data(), 4), rows, at, attrs, r ? Data(*r) : nullptr, outs[j], (at.dst_blocked >> j) & 1);
+    RunRows(xdata, x_dims, rows, at, attrs, r ? Data(*r) : nullptr, outs[j], (at.dst_blocked >> j) & 1);
     o += Oj;
   }
   if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];
 }
 
-void Run(const TensorView& x, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
-         const std::vector<TensorView>& outs, const TensorView* sc = nullptr, const TensorView* sh = nullptr) {
+void Run(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
+         const std::vector<TensorView>& outs) {
   std::vector<View> views;
   for (const auto& t : outs) {
     CheckTensor(t, 4, "output");
@@ -375,10 +429,20 @@ void Run(const TensorView& x, const TensorView& w, const TensorView& b, const Te
   }
   try {
     std::lock_guard<std::mutex> lock(Mutex());
-    RunLocked(x, w, b, r, attrs, views, sc, sh);
+    RunLocked(in, w, b, r, attrs, views);
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
+}
+
+// The index of a pre-activation layer's attrs among args[first...]: (x_1, ..., x_k, s, t, w, b,
+// attrs, ...) with k >= 1, attrs the first Shape.
+int PreAttrsAt(const tvm::ffi::PackedArgs& args, int first, const char* who) {
+  int a = first;
+  while (a < args.size() && !args[a].as<Shape>().has_value()) ++a;
+  if (a >= args.size() || a - first < 5)
+    TVM_FFI_THROW(ValueError) << who << ": expected (x_1, ..., x_k, s, t, w, b, attrs, ...)";
+  return a;
 }
 
 // conv2d(x, w, b, attrs, out_1, ..., out_k)
@@ -386,32 +450,37 @@ void Conv2d(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (args.size() < 5) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d: expected (x, w, b, attrs, out...)";
   std::vector<TensorView> outs;
   for (int i = 4; i < args.size(); ++i) outs.push_back(args[i].cast<TensorView>());
-  Run(args[0].cast<TensorView>(), args[1].cast<TensorView>(), args[2].cast<TensorView>(), nullptr,
+  Run(Input{{args[0].cast<TensorView>()}}, args[1].cast<TensorView>(), args[2].cast<TensorView>(), nullptr,
       args[3].cast<Shape>(), outs);
 }
 
 void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape attrs, TensorView out) {
-  Run(x, w, b, &r, attrs, {out});
+  Run(Input{{x}}, w, b, &r, attrs, {out});
 }
 
-// conv2d_pre(x, s, t, w, b, attrs, out_1, ..., out_k): conv2d of relu(x * s + t)
+// conv2d_pre(x_1, ..., x_k, s, t, w, b, attrs, out_1, ..., out_m): conv2d of
+// relu(concat(x_1, ..., x_k) * s + t), the concatenation never materialised (see RunPre)
 void Conv2dPre(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
-  if (args.size() < 7) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d_pre: expected (x, s, t, w, b, attrs, out...)";
-  std::vector<TensorView> outs;
-  for (int i = 6; i < args.size(); ++i) outs.push_back(args[i].cast<TensorView>());
-  TensorView sc = args[1].cast<TensorView>(), sh = args[2].cast<TensorView>();
+  const int a = PreAttrsAt(args, 0, "layerfuse.onednn.conv2d_pre");
+  Input in;
+  for (int i = 0; i < a - 4; ++i) in.pieces.push_back(args[i].cast<TensorView>());
+  TensorView sc = args[a - 4].cast<TensorView>(), sh = args[a - 3].cast<TensorView>();
   CheckTensor(sc, 1, "prologue scale");
   CheckTensor(sh, 1, "prologue shift");
-  Run(args[0].cast<TensorView>(), args[3].cast<TensorView>(), args[4].cast<TensorView>(), nullptr,
-      args[5].cast<Shape>(), outs, &sc, &sh);
+  in.sc = &sc;
+  in.sh = &sh;
+  std::vector<TensorView> outs;
+  for (int i = a + 1; i < args.size(); ++i) outs.push_back(args[i].cast<TensorView>());
+  Run(in, args[a - 2].cast<TensorView>(), args[a - 1].cast<TensorView>(), nullptr, args[a].cast<Shape>(), outs);
 }
 
 // concat_convs(spec, a_1, ..., a_m, out): a channel concat whose pieces are made in place.
 // spec = (blocked, kind_1, offset_1, ..., kind_k, offset_k); member j writes the channels
 // [offset_j, offset_j + C_j) of out (batch 1: a contiguous range of out, in NCHW and - with
 // offsets and C_j multiples of 16 - in nChw16c) and takes its arguments from a_*: kind 0 copy
-// (x), 1 conv2d (x, w, b, attrs), 2 conv2d_pre (x, s, t, w, b, attrs), 3 conv2d_add (x, w, b,
-// r, attrs), as the functions above (a conv's dst_blocked bit says out's layout).
+// (x), 1 conv2d (x, w, b, attrs), 2 conv2d_pre (x_1, ..., x_k, s, t, w, b, attrs), 3
+// conv2d_add (x, w, b, r, attrs), as the functions above (a conv's dst_blocked bit says out's
+// layout).
 void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (args.size() < 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: expected (spec, args..., out)";
   const Shape spec = args[0].cast<Shape>();
@@ -422,16 +491,18 @@ void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (spec.size() < 1 || spec.size() % 2 != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: bad spec";
   const bool blocked = spec[0] != 0;
   float* base = const_cast<float*>(Data(out));
-  static const int kArgs[] = {1, 4, 6, 5};
+  static const int kArgs[] = {1, 4, 0, 5};  // kind 2: counted from its attrs
   int a = 1;  // next argument
   try {
     std::lock_guard<std::mutex> lock(Mutex());
     for (size_t m = 1; m + 1 < spec.size(); m += 2) {
       const int64_t kind = spec[m], offset = spec[m + 1];
-      if (kind < 0 || kind > 3 || a + kArgs[kind] > args.size() - 1)
-        TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: spec does not match the arguments";
+      if (kind < 0 || kind > 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: unknown member kind " << kind;
       auto t = [&](int i) { return args[a + i].cast<TensorView>(); };
-      const int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? 3 : 1).shape()[0];
+      // kind 2: its attrs (the first Shape) says how many input pieces it has
+      const int n = kind == 2 ? PreAttrsAt(args, a, "layerfuse.onednn.concat_convs") - a + 1 : kArgs[kind];
+      if (a + n > args.size() - 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: spec does not match the arguments";
+      const int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? n - 3 : 1).shape()[0];
       if (offset < 0 || offset + Cj > C || (blocked && (offset % 16 || Cj % 16)))
         TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: piece does not fit the output";
       View view{base + offset * H * W, dims{1, Cj, H, W}};
@@ -441,15 +512,19 @@ void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
         if (x.numel() != view.numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: copy shape mismatch";
         std::memcpy(view.data, Data(x), sizeof(float) * x.numel());
       } else if (kind == 1) {
-        RunLocked(t(0), t(1), t(2), nullptr, args[a + 3].cast<Shape>(), {view}, nullptr, nullptr);
+        RunLocked(Input{{t(0)}}, t(1), t(2), nullptr, args[a + 3].cast<Shape>(), {view});
       } else if (kind == 2) {
-        TensorView sc = t(1), sh = t(2);
-        RunLocked(t(0), t(3), t(4), nullptr, args[a + 5].cast<Shape>(), {view}, &sc, &sh);
+        Input in;
+        for (int i = 0; i < n - 5; ++i) in.pieces.push_back(t(i));
+        TensorView sc = t(n - 5), sh = t(n - 4);
+        in.sc = &sc;
+        in.sh = &sh;
+        RunLocked(in, t(n - 3), t(n - 2), nullptr, args[a + n - 1].cast<Shape>(), {view});
       } else {
         TensorView r = t(3);
-        RunLocked(t(0), t(1), t(2), &r, args[a + 4].cast<Shape>(), {view}, nullptr, nullptr);
+        RunLocked(Input{{t(0)}}, t(1), t(2), &r, args[a + 4].cast<Shape>(), {view});
       }
-      a += kArgs[kind];
+      a += n;
     }
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
@@ -566,15 +641,6 @@ String DenseImplementation(Shape shape) {
   if (shape.size() != 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: (N, K, M) expected";
   try {
     return String(DenseDesc(shape[0], shape[1], shape[2]).impl_info_str());
-  } catch (const dnnl::error& e) {
-    return String(std::string("unsupported: ") + e.what());
-  }
-}
-
-String PreImplementation(Shape x, bool blocked) {
-  if (x.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
-  try {
-    return String(PreDesc(Dims(x.data(), 4), blocked).impl_info_str());
   } catch (const dnnl::error& e) {
     return String(std::string("unsupported: ") + e.what());
   }
@@ -729,8 +795,6 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.dense", Function::FromTyped(layerfuse_onednn::Dense), true);
   Function::SetGlobal("layerfuse.onednn.dense_implementation", Function::FromTyped(layerfuse_onednn::DenseImplementation),
                       true);
-  Function::SetGlobal("layerfuse.onednn.prologue_implementation",
-                      Function::FromTyped(layerfuse_onednn::PreImplementation), true);
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),
                       true);
   Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);

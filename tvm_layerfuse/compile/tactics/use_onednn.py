@@ -3,8 +3,8 @@
 The layers are the fused conv functions of :mod:`tvm_layerfuse.relax.fuse_epilogue`
 (``layerfuse_conv2d_*``) and :mod:`tvm_layerfuse.relax.fuse_prologue` (``layerfuse_bn_relu_*``:
 the conv reads ``relu(x * s + t)``, s and t per channel, as DenseNet's pre-activation
-BatchNorm + ReLU; ``layerfuse.onednn.conv2d_pre`` computes it with a oneDNN binary primitive,
-mul with post-ops add and relu, before the conv, in one call) and the bare ``R.nn.conv2d`` calls left in ``main`` (unfused
+BatchNorm + ReLU; ``layerfuse.onednn.conv2d_pre`` computes it into a scratch buffer, a
+vectorised loop, before the conv, in one call) and the bare ``R.nn.conv2d`` calls left in ``main`` (unfused
 models, convs without an epilogue). Per output element, NCHW::
 
     y = act( conv2d(x, W) + b [+ r] )          W, b: BatchNorm already folded in
@@ -38,6 +38,21 @@ global average (``mean`` over H, W with keepdims, ``adaptive_avg_pool2d`` to 1x1
 ``layerfuse.onednn.pool2d``; a channel concat -> ``layerfuse.onednn.concat`` (one ``memcpy``
 per piece and image: TVM's in-place concat only moves TVM kernels' outputs).
 
+Prologues read a concat's pieces. A concat read only as the input of pre-activation convs
+(DenseNet's dense layers and transitions: ``concat(x_0, y_1, ..., y_k)``, each piece read by
+every later layer of the block, so no conv can write it in place) is not materialised: with
+``x = concat_i(x_i)`` on channels, ``s = concat_i(s_i)``, ``t = concat_i(t_i)`` (``s_i``, ``t_i``:
+the piece's channel range ``[c_i, c_i + C_i)``), per channel::
+
+    conv(relu(concat_i(x_i) * s + t), W)  ==  conv(concat_i(relu(x_i * s_i + t_i)), W)
+
+so ``layerfuse.onednn.conv2d_pre(x_1, ..., x_k, s, t, W, b, attrs)`` normalises each piece
+straight into its channel range of the prologue's scratch (which it writes anyway) and runs
+the conv on that, as TVM's FuseOps fuses concat + BatchNorm + ReLU into one kernel: the
+concat's copies and its buffer are gone (:func:`prologues_read_pieces`). A concat whose
+pieces convs make for it alone stays with :func:`concats_in_place` (no copy either, and one
+call for all of them); one with any other reader stays a concat.
+
 Layout (per tensor: plain NCHW or oneDNN's blocked ``nChw16c``, same size and Relax type).
 Tensors that must share a layout form classes: a concat's inputs and output (per image,
 channels ``[c, c + C)`` of an ``nChw16c`` tensor are the contiguous range ``[c*H*W, (c+C)*H*W)``
@@ -66,7 +81,8 @@ tile and channel pair); its rounding differs from the direct sum by about 1e-6 r
 wherever oneDNN has it (tests). ``pass.layers`` lists
 every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout", "timing"}``: conv layers,
 pools (``pool:<var>``, tactic ``onednn``), the classifier (``dense:<var>``: ``x @ w + b`` as a
-oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, or ``in-place``).
+oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, ``in-place``, or ``read by
+prologues``).
 """
 
 from __future__ import annotations
@@ -136,17 +152,24 @@ class UseOneDNNConv:
 
     ``params`` gives the values of ``main``'s weight parameters (clip bounds may be
     parameters of an unbound module); ``only`` restricts the layers that may use oneDNN
-    (names as in ``pass.layers``), None allows all.
+    (names as in ``pass.layers``), None allows all; ``pieces=False`` keeps the concats that
+    conv prologues read (:func:`prologues_read_pieces` off: the layout before it, to compare).
     """
 
     def __init__(
-        self, *, params: Optional[Mapping[str, Any]] = None, only: Optional[set] = None, winograd: str = "timed"
+        self,
+        *,
+        params: Optional[Mapping[str, Any]] = None,
+        only: Optional[set] = None,
+        winograd: str = "timed",
+        pieces: bool = True,
     ) -> None:
         if winograd not in WINOGRAD_CHOICES:
             raise ValueError(f"winograd={winograd!r}; expected one of {', '.join(WINOGRAD_CHOICES)}")
         self.params = dict(params or {})
         self.only = only
         self.winograd = winograd
+        self.pieces = pieces
         self.timings: dict[tuple, tuple[float, float]] = {}  # (x, w, attrs, residual) -> (direct, winograd) ms
         self.layers: list[LayerChoice] = []
         self.bound: dict = {}  # var -> value in the function being rewritten (clip bounds)
@@ -170,6 +193,8 @@ class UseOneDNNConv:
                 mod[gv] = assign_layouts(pools_and_concats(dense_layers(func, self.layers), self.layers), self.layers)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
+                if self.pieces:
+                    func = prologues_read_pieces(func, self.layers)
                 mod[gv] = concats_in_place(func, self.layers)
         mod = relax.transform.DeadCodeElimination()(mod)
         used = sum(c.tactic == "onednn" for c in self.layers)
@@ -732,9 +757,107 @@ class _SetLayouts(relax.PyExprMutator):
         return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
 
 
+# ---------------------------------------------------------------------- prologues read the pieces
+def prologues_read_pieces(func: relax.Function, layers: list) -> relax.Function:
+    """``layerfuse.onednn.concat(x_1, ..., x_k)`` read only as the input of ``conv2d_pre``
+    calls -> those calls read ``x_1, ..., x_k`` and the concat is dead (see the module doc):
+    the prologue writes the normalised concatenation into its scratch, piece by piece.
+
+    Left to :func:`concats_in_place` instead: a batch-1 concat whose every piece a oneDNN conv
+    makes for it alone (each conv writes its channel range, no copy and one call for all)."""
+    bindings = _bindings(func)
+    values = {b.var: b.value for b in bindings}
+    uses = _uses(func)
+    calls = {b.var: _onednn_call(b.value) for b in bindings if _onednn_call(b.value) is not None}
+    readers: dict = {}  # concat var -> [conv2d_pre calls reading it as their input]
+    for v, (name, args) in calls.items():
+        if name == onednn.FUNCTIONS["conv2d_pre"] and isinstance(args[0], relax.Var):
+            readers.setdefault(args[0], []).append(values[v])
+    pieces = {}  # conv2d_pre call -> the pieces it reads
+    for b in bindings:
+        found = calls.get(b.var)
+        if found is None or found[0] != onednn.CONCAT or uses.get(b.var, 0) != len(readers.get(b.var, [])):
+            continue  # not a concat, or read by something other than a prologue (or by the caller)
+        items = found[1]
+        if static_shape(b.var)[0] == 1 and len(set(items)) == len(items):
+            if all(_member(x, values, calls, uses) is not None for x in items):
+                continue  # every piece made in place by its conv: concats_in_place's
+        for call in readers[b.var]:
+            pieces[call] = items
+        for c in layers:
+            if c.layer == f"concat:{b.var.name}":
+                k, n = len(items), len(readers[b.var])
+                c.tactic = "read by prologues"
+                c.kernel = f"{k} piece{'s' * (k > 1)} normalised into the scratch of {n} conv prologue{'s' * (n > 1)}, no copy"
+    return _ReadPieces(pieces).visit_expr(func) if pieces else func
+
+
+@relax.expr_functor.mutator
+class _ReadPieces(relax.PyExprMutator):
+    def __init__(self, pieces: dict) -> None:
+        super().__init__()
+        self.pieces = pieces  # conv2d_pre call -> its input's pieces
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        items = self.pieces.get(call)
+        if items is None:
+            return super().visit_call_(call)
+        args = [self.visit_expr(a) for a in [*items, *list(call.args[1].fields)[1:]]]
+        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
+
+
 # ---------------------------------------------------------------------- concatenation in place
 _KINDS = {onednn.FUNCTIONS["conv2d"]: 1, onednn.FUNCTIONS["conv2d_pre"]: 2, onednn.FUNCTIONS["conv2d_add"]: 3}
-_WEIGHT_AT = {1: 1, 2: 3, 3: 1}  # where the weight is among a conv call's arguments
+
+
+@dataclass(frozen=True)
+class LibraryWrites:
+    """Bytes one library call writes per inference: into its outputs, computed (``computed``)
+    or copied (``copied``: a concat's pieces), and into its own scratch (``scratch``: the
+    normalised input of a conv prologue)."""
+
+    computed: int
+    copied: int
+    scratch: int
+
+
+def _nbytes(expr) -> int:
+    shape = static_shape(expr)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype_of(expr)).itemsize if shape is not None else 0
+
+
+def library_writes(call) -> Optional[LibraryWrites]:
+    """What a ``call_dps_packed`` into this library writes (None for any other expression)."""
+    found = _onednn_call(call)
+    if found is None:
+        return None
+    name, args = found
+    out = sum(_nbytes(f) for f in call.ty.fields) if isinstance(call.ty, relax.TupleType) else _nbytes(call)
+    if name == onednn.CONCAT:
+        return LibraryWrites(0, out, 0)
+    if name == onednn.FUNCTIONS["conv2d_pre"]:  # the pieces x_1..x_k, normalised
+        return LibraryWrites(out, 0, sum(_nbytes(x) for x in args[:-5]))
+    if name != onednn.CONCAT_CONVS:
+        return LibraryWrites(out, 0, 0)
+    spec, rest = [int(v) for v in args[0].values], args[1:]
+    copied = scratch = a = 0
+    for kind in spec[1::2]:
+        if kind == 0:
+            copied += _nbytes(rest[a])
+            a += 1
+        elif kind == 2:  # up to its attrs, the first shape
+            end = next(i for i in range(a, len(rest)) if isinstance(rest[i], relax.ShapeExpr))
+            scratch += sum(_nbytes(x) for x in rest[a : end - 4])
+            a = end + 1
+        else:
+            a += 4 if kind == 1 else 5
+    return LibraryWrites(out - copied, copied, scratch)
+
+
+def _weight_at(kind: int, args: list) -> int:
+    """Where the weight is among a conv call's arguments: (x, w, b, attrs), (x_1, ..., x_k, s,
+    t, w, b, attrs), (x, w, b, r, attrs)."""
+    return 1 if kind == 3 else len(args) - 3
 
 
 def _bound_constant(expr, values: dict) -> Optional[np.ndarray]:
@@ -831,7 +954,7 @@ def _member(x, values: dict, calls: dict, uses: dict):
         attrs = [int(a) for a in args[-1].values]
         blocked = (attrs[11] >> j) & 1
         attrs[11] = blocked
-        w_at = _WEIGHT_AT[kind]
+        w_at = _weight_at(kind, args)
         member = list(args)
         member[w_at] = _rows(args[w_at], [(lo, hi)], values)
         member[w_at + 1] = _rows(args[w_at + 1], [(lo, hi)], values)
@@ -853,7 +976,7 @@ def _merged_rows(name: str, args: list, out_types: list, keep: list, values: dic
         bounds.append((lo, lo + static_shape_of(t)[1]))
         lo += static_shape_of(t)[1]
     ranges = [bounds[j] for j in keep]
-    w_at = _WEIGHT_AT[_KINDS[name]]
+    w_at = _weight_at(_KINDS[name], args)
     new = list(args)
     new[w_at] = _rows(args[w_at], ranges, values)
     new[w_at + 1] = _rows(args[w_at + 1], ranges, values)
