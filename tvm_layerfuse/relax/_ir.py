@@ -178,6 +178,22 @@ class FunctionFacts:
         return names
 
 
+@relax.expr_functor.mutator
+class SubstituteVars(relax.PyExprMutator):
+    """Replaces each Var (dataflow or not) that is a key of ``mapping`` by its value. The
+    dict is read on every visit: entries added between ``visit_expr`` calls apply."""
+
+    def __init__(self, mapping: dict) -> None:
+        super().__init__()
+        self.mapping = mapping
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        return self.mapping.get(var, var)
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
+        return self.mapping.get(var, var)
+
+
 def static_shape(expr: relax.Expr) -> Optional[tuple[int, ...]]:
     """The shape of a tensor expression when every dimension is a known integer."""
     ty = getattr(expr, "ty", None)
