@@ -34,6 +34,17 @@ def relax_functions(mod: tvm.IRModule) -> list[tuple[tvm.ir.GlobalVar, relax.Fun
     return sorted(items, key=lambda item: item[0].name_hint)
 
 
+def with_functions(mod: tvm.IRModule, updates: Mapping[tvm.ir.GlobalVar, Any]) -> tvm.IRModule:
+    """``mod`` with the functions in ``updates`` replaced: a copy (a pass never modifies the
+    caller's module in place), or ``mod`` itself when there are none."""
+    if not updates:
+        return mod
+    out = mod.clone()
+    for gv, func in updates.items():
+        out[gv] = func
+    return out
+
+
 def is_primitive(func: relax.Function) -> bool:
     """Whether ``func`` is an already-fused function (its body is one kernel's worth): marked
     ``Primitive`` (by FuseOps or a layerfuse pass), a ``Composite`` pattern, or offloaded
