@@ -135,8 +135,19 @@ def _iter_var_index(expr, iter_vars) -> Optional[int]:
     return next((k for k, iv in enumerate(iter_vars) if expr.same_as(iv.var)), None)
 
 
-def _is_prim_func(func) -> bool:
-    return isinstance(func, tirx.PrimFunc)
+def _plain_params(func) -> Union[list, str]:
+    """The parameters of ``func`` when it is a PrimFunc of at least two plain buffer
+    parameters (the recognisers' common premise), else a reason."""
+    if not isinstance(func, tirx.PrimFunc):
+        return "not a PrimFunc"
+    params = list(func.params)
+    if len(params) < 2 or not all(tirx.is_buffer_var(p) for p in params):
+        return "parameters are not all buffers"
+    for p in params:
+        reason = _plain_buffer(p)
+        if reason:
+            return reason
+    return params
 
 
 # ----------------------------------------------------------------------------- loop nests
@@ -546,16 +557,10 @@ def match_concat(func) -> Union[ConcatKernel, str]:
     Every top-level loop nest must be a concat block (:func:`_concat_block`); expanding the
     intermediates from the output must reach every input parameter exactly once and use
     every intermediate exactly once."""
-    if not _is_prim_func(func):
-        return "not a PrimFunc"
-    params = list(func.params)
-    if len(params) < 2 or not all(tirx.is_buffer_var(p) for p in params):
-        return "parameters are not all buffers"
+    params = _plain_params(func)
+    if isinstance(params, str):
+        return params
     out, inputs = params[-1], params[:-1]
-    for p in params:
-        reason = _plain_buffer(p)
-        if reason:
-            return reason
     root = root_block(func)
     if root is None:
         return "no root block"
@@ -673,16 +678,10 @@ class SplitKernel:
 
 def match_split(func) -> Union[SplitKernel, str]:
     """Recognise TOPI's split: one input, ``n`` outputs, one nest per output copying a slice."""
-    if not _is_prim_func(func):
-        return "not a PrimFunc"
-    params = list(func.params)
-    if len(params) < 2 or not all(tirx.is_buffer_var(p) for p in params):
-        return "parameters are not all buffers"
+    params = _plain_params(func)
+    if isinstance(params, str):
+        return params
     src, outs = params[0], params[1:]
-    for p in params:
-        reason = _plain_buffer(p)
-        if reason:
-            return reason
     root = root_block(func)
     if root is None or list(root.alloc_buffers):
         return "no plain root block"
