@@ -59,6 +59,7 @@ def test_tune_then_compile_applies_the_database(tmp_path, monkeypatch, capfd):
     records = (result.database / "database_tuning_record.json").read_text().splitlines()
     assert records and all(json.loads(line) for line in records)
     out = compile_model(path, tmp_path / "art", tactics="tvm", progress=False)
+    assert "JSONDatabase" not in capfd.readouterr().err  # the database is opened without TVM's warning line
     feeds = random_inputs(model, 3)
     for e, g in zip(run_onnxruntime(model, feeds), load(out).run(feeds).values()):
         assert rel_err(g, e) <= 1e-4

@@ -30,7 +30,8 @@ _MOVEMENT = re.compile(r"(fused|concatenate|split|strided|slice|reshape|squeeze|
 def activation_bytes_written(mod) -> dict[str, int]:
     """Bytes the kernels of a lowered (FuseTIR'd) module write per inference, from the types
     of their outputs: ``{"compute": ..., "split": ..., "library": ..., "scratch": ...}``
-    (``library``: what tactic-library calls compute into their outputs; ``scratch``: what
+    (``library``: what tactic-library calls compute into their outputs, and the residuals
+    they copy in first where a residual conv is not in place; ``scratch``: what
     they write into buffers of their own, see :func:`..tactics.use_onednn.library_writes`);
     copies into a concatenate are counted by :func:`tvm_layerfuse.lowering.concat_report`
     instead."""
@@ -54,7 +55,7 @@ def activation_bytes_written(mod) -> dict[str, int]:
     def visit(e):
         writes = library_writes(e)
         if writes is not None:
-            out["library"] += writes.computed
+            out["library"] += writes.computed + writes.residual
             out["scratch"] += writes.scratch
             return
         if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.call_tir" and e.args[0] in prims:

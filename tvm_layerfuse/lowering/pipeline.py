@@ -35,6 +35,7 @@ generation) and counts what concatenation still costs per inference.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import re
@@ -208,7 +209,12 @@ class LayerfusePipeline:
         return seq
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        with self.target:
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(self.target)
+            if self.database is not None:  # opened here: the pass would open it itself with a C++ warning line
+                import tvm.s_tir.meta_schedule as ms
+
+                scope.enter_context(ms.database.JSONDatabase(work_dir=self.database, allow_missing=True))
             return tvm.transform.Sequential(self.passes())(mod)
 
 

@@ -41,6 +41,7 @@ FUNCTIONS = {
     "conv2d_add": "layerfuse.onednn.conv2d_add",
     "conv2d_pre": "layerfuse.onednn.conv2d_pre",
 }
+CONV2D_ADD_INPLACE = "layerfuse.onednn.conv2d_add_inplace"  # called from TIR (use_onednn.residuals_in_place)
 TO_BLOCKED = "layerfuse.onednn.to_blocked"
 CONCAT = "layerfuse.onednn.concat"
 CONCAT_CONVS = "layerfuse.onednn.concat_convs"

@@ -9,6 +9,9 @@
 //       conv writes its split pieces; piece j is one conv with the rows o_j..o_j+O_j of w, b)
 //   layerfuse.onednn.conv2d_add  (x, w, b, r, attrs, out)
 //       out = act(conv2d(x, w) + b + r)      r: the residual, as oneDNN's `sum` post-op
+//   layerfuse.onednn.conv2d_add_inplace  (x, w, b, r, a_0, ..., a_14)
+//       the same with out = r (r's bytes become the result; the attrs as integer arguments,
+//       called from TIR: Relax's call_tir_inplace tells memory planning that out is r)
 //   layerfuse.onednn.conv2d_pre  (x_1, ..., x_k, s, t, w, b, attrs, out_1, ..., out_m)
 //       conv2d of relu(x * s + t), x = concat(x_1, ..., x_k) on channels (k >= 1; s, t [C]: a
 //       pre-activation BatchNorm + ReLU, folded): the prologue normalises each piece into its
@@ -28,6 +31,8 @@
 // Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
 // layers of this library, and C % 16 == 0 - oneDNN's blocked nChw16c (same size, same
 // [N, C, H, W] type for TVM, which never reads it): src_blocked / dst_blocked say which.
+// A conv's blocked src or (single) dst may also have C % 16 != 0: its type is then
+// [N, ceil16(C), H, W], the padded nChw16c bytes, and C / O come from the weights.
 // A plain src or dst is reordered to/from the layout the primitive prefers (blocked, where
 // oneDNN's JIT kernels run with their post-ops fused) in buffers kept with the layer; a
 // blocked one is used in place, so consecutive convs run with no reorder between them.
@@ -246,8 +251,11 @@ Layer& Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs,
 struct View {
   float* data;
   dims shape;  // [N, O, OH, OW]
-  int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
+  int64_t padded_c = 0;  // O rounded up to 16 where the tensor holds padded nChw16c, else 0
+  int64_t numel() const { return shape[0] * (padded_c ? padded_c : shape[1]) * shape[2] * shape[3]; }
 };
+
+int64_t RoundUp16(int64_t c) { return (c + 15) / 16 * 16; }
 
 View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
 
@@ -397,7 +405,7 @@ const float* RunPre(const Input& in, const dims& d, bool blocked) {
 // The conv of one call (mutex held): the input (its prologue first), w, b [, r] into the views outs.
 void RunLocked(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
                const std::vector<View>& outs) {
-  const dims x_dims = InputDims(in);
+  dims x_dims = InputDims(in);
   CheckTensor(w, 4, "weight");
   CheckTensor(b, 1, "bias");
   if (r) CheckTensor(*r, 4, "residual");
@@ -407,14 +415,23 @@ void RunLocked(const Input& in, const TensorView& w, const TensorView& b, const 
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: split outputs need a conv without residual and groups";
   if (b.shape()[0] != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
   const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];  // weights per output channel
+  // Padded channels: a blocked tensor whose C is not a multiple of 16 has the type (and bytes)
+  // [N, ceil16(C), H, W]; the conv's C and O come from the weights.
+  const int64_t C = w.shape()[1] * at.groups, O = w.shape()[0];
+  if (!in.sc && at.src_blocked && x_dims[1] != C && x_dims[1] == RoundUp16(C)) x_dims[1] = C;
+  std::vector<View> views = outs;
+  if (views.size() == 1 && (at.dst_blocked & 1) && views[0].shape[1] != O && views[0].shape[1] == RoundUp16(O)) {
+    views[0].padded_c = views[0].shape[1];
+    views[0].shape[1] = O;
+  }
   int64_t o = 0;  // output channels done
   const float* xdata = in.sc ? RunPre(in, x_dims, at.src_blocked) : Data(in.pieces[0]);
-  for (size_t j = 0; j < outs.size(); ++j) {
-    const int64_t Oj = outs[j].shape[1];
+  for (size_t j = 0; j < views.size(); ++j) {
+    const int64_t Oj = views[j].shape[1];
     if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
-    if (r && outs[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
+    if (r && views[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
     Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
-    RunRows(xdata, x_dims, rows, at, attrs, r ? Data(*r) : nullptr, outs[j], (at.dst_blocked >> j) & 1);
+    RunRows(xdata, x_dims, rows, at, attrs, r ? Data(*r) : nullptr, views[j], (at.dst_blocked >> j) & 1);
     o += Oj;
   }
   if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];
@@ -456,6 +473,17 @@ void Conv2d(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
 
 void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape attrs, TensorView out) {
   Run(Input{{x}}, w, b, &r, attrs, {out});
+}
+
+// conv2d_add_inplace(x, w, b, r, attrs_0, ..., attrs_n): conv2d_add with out = r, the attrs as
+// integer arguments (the call comes from a TIR function that Relax calls with call_tir_inplace,
+// so memory planning knows out is r). The sum post-op reads r where it writes: no copy.
+void Conv2dAddInplace(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
+  if (args.size() < 5) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d_add_inplace: expected (x, w, b, r, attrs...)";
+  std::vector<int64_t> a;
+  for (int i = 4; i < args.size(); ++i) a.push_back(args[i].cast<int64_t>());
+  TensorView r = args[3].cast<TensorView>();
+  Run(Input{{args[0].cast<TensorView>()}}, args[1].cast<TensorView>(), args[2].cast<TensorView>(), &r, Shape(a.begin(), a.end()), {r});
 }
 
 // conv2d_pre(x_1, ..., x_k, s, t, w, b, attrs, out_1, ..., out_m): conv2d of
@@ -798,6 +826,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),
                       true);
   Function::SetGlobal("layerfuse.onednn.conv2d_add", Function::FromTyped(layerfuse_onednn::Conv2dAdd), true);
+  Function::SetGlobal("layerfuse.onednn.conv2d_add_inplace", Function::FromPacked(layerfuse_onednn::Conv2dAddInplace),
+                      true);
   Function::SetGlobal("layerfuse.onednn.concat", Function::FromPacked(layerfuse_onednn::ConcatChannels), true);
   Function::SetGlobal("layerfuse.onednn.to_blocked", Function::FromTyped(layerfuse_onednn::ToBlocked), true);
   Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);

@@ -63,8 +63,16 @@ and read by library calls only (never by a TVM kernel or the caller) -- except t
 ``C % 16 == 0`` tensor with 1x1 spatial has the same bytes in both layouts, so anyone may
 read it. A conv reads either layout (``src_blocked``) and writes either (``dst_blocked``, a
 bit per output piece); a plain src or dst is reordered inside the library call, and a plain
-tensor read by several convs is reordered once (``layerfuse.onednn.to_blocked``). So
-reorders happen only where a TVM kernel reads or writes a tensor next to a oneDNN layer.
+tensor read by several convs is reordered once (``layerfuse.onednn.to_blocked``). A tensor
+with ``16 < C``, ``C % 16 != 0`` (MobileNet-V2's 24 channels) that convs with one output make
+and only convs read is kept in padded ``nChw16c``: its Relax type becomes ``[N, ceil16(C), H,
+W]``, the bytes oneDNN's padded layout takes (see ``_padded``). So reorders happen only where
+a TVM kernel reads or writes a tensor next to a oneDNN layer (and at the split pieces of a
+merged conv with such channel counts, or C < 16).
+
+Residual in place: a ``conv2d_add`` whose residual nothing reads afterwards writes its result
+into the residual's buffer (``call_tir_inplace`` of a TIR wrapper, see
+:func:`residuals_in_place`): no copy of r per inference.
 
 The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
@@ -173,6 +181,7 @@ class UseOneDNNConv:
         self.timings: dict[tuple, tuple[float, float]] = {}  # (x, w, attrs, residual) -> (direct, winograd) ms
         self.layers: list[LayerChoice] = []
         self.bound: dict = {}  # var -> value in the function being rewritten (clip bounds)
+        self.residuals: list[tuple[str, str]] = []  # (conv2d_add's variable, "in-place" | why it copies)
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         onednn.load()  # the kernel query needs the library in this process
@@ -197,6 +206,8 @@ class UseOneDNNConv:
                     func = prologues_read_pieces(func, self.layers)
                 mod[gv] = concats_in_place(func, self.layers)
         mod = relax.transform.DeadCodeElimination()(mod)
+        self.residuals = []
+        mod = residuals_in_place(mod, self.residuals)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
         return mod
@@ -684,21 +695,76 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
         for x, rs in data_readers.items()
         if len(rs) >= 2 and static_shape(x) is not None and len(static_shape(x)) == 4 and static_shape(x)[1] % BLOCK == 0
     }
+    def conv_flags(v, args, padded: set) -> tuple[int, int]:
+        src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared or args[0] in padded)
+        if isinstance(v.ty, relax.TupleType):
+            parts = pieces.get(v, {})
+            return int(src), sum(1 << j for j, vs in parts.items() if vs[0] in blocked)
+        return int(src), int(v in blocked or v in padded)
+
+    padded = _padded(members, calls, tvm_read, conv_flags)
     flags = {}  # call var -> (src flag, dst flag or mask)
     for v, (name, args) in calls.items():
         if name in _CONVS:
-            src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared)
-            if isinstance(v.ty, relax.TupleType):
-                parts = pieces.get(v, {})
-                dst = sum(1 << j for j, vs in parts.items() if vs[0] in blocked)
-            else:
-                dst = int(v in blocked)
-            flags[v] = (int(src), dst)
+            flags[v] = conv_flags(v, args, padded)
         elif name == onednn.POOL:
             flags[v] = (int(v in blocked), int(v in blocked))
     _record_layouts(layers, calls, flags)
     by_call = {b.value: flags[b.var] for b in bindings if b.var in flags and any(flags[b.var])}
-    return _SetLayouts(by_call, shared).visit_expr(func) if by_call else func
+    resize = {b.value: _padded_type(b.var) for b in bindings if b.var in padded}
+    return _SetLayouts(by_call, shared, resize).visit_expr(func) if by_call else func
+
+
+def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
+    """Tensors kept in nChw16c with their channels padded to a multiple of 16 (MobileNet-V2's
+    24-channel stage): 16 < C, C % 16 != 0, made by a conv with one output and read only by
+    convs (as their src, or conv2d_add's residual), never by TVM, the caller, a pool, a
+    concat or a prologue -- all their class alike -- and every conv that touches one keeps an
+    optimised kernel in that layout (``conv_flags(var, args, padded)``: the flags it gets; a
+    class whose conv would get ``ref:`` stays plain). Their Relax type becomes [N, ceil16(C),
+    H, W] (the bytes of oneDNN's padded nChw16c; the library takes C from the weights), so no
+    conv reorders them to and from NCHW inside its call. (C < 16 is left plain: padding would
+    multiply the reading conv's work more than the reorders cost.)"""
+    simple = (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_add"])
+    readers: dict = {}  # var -> [(call name, argument position)]
+    for name, args in calls.values():
+        for k, a in enumerate(args):
+            if isinstance(a, relax.Var):
+                readers.setdefault(a, []).append((name, k))
+
+    def can_pad(var) -> bool:
+        shape = static_shape(var)
+        if shape is None or len(shape) != 4 or shape[1] % BLOCK == 0 or shape[1] < BLOCK or shape[2] * shape[3] == 1:
+            return False
+        if var not in calls or calls[var][0] not in simple or not isinstance(var, relax.DataflowVar) or var in tvm_read:
+            return False
+        return all(name in simple and (k == 0 or (k == 3 and name == simple[1])) for name, k in readers.get(var, []))
+
+    classes = [vs for vs in members.values() if all(can_pad(m) for m in vs)]
+    padded = {v for vs in classes for v in vs}
+    checked: dict = {}  # (conv var, flags) -> kernel
+    changed = bool(padded)
+    while changed:  # drop the classes of a conv whose kernel in the padded layout is a reference one
+        changed = False
+        for v, (name, args) in calls.items():
+            if name not in simple or not (v in padded or args[0] in padded):
+                continue
+            attrs = [int(a) for a in args[-1].values]
+            attrs[10], attrs[11] = conv_flags(v, args, padded)
+            key = (v, attrs[10], attrs[11])
+            if key not in checked:
+                checked[key] = onednn.implementation(
+                    static_shape(args[0]), static_shape(args[1]), attrs, residual=name == simple[1]
+                )
+            if checked[key].startswith(("ref", "unsupported")):
+                padded -= {m for vs in classes if v in vs or args[0] in vs for m in vs}
+                changed = True
+    return padded
+
+
+def _padded_type(var) -> relax.TensorType:
+    n, c, h, w = static_shape(var)
+    return relax.TensorType([n, -(-c // BLOCK) * BLOCK, h, w], "float32")
 
 
 def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
@@ -729,10 +795,11 @@ def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
 
 @relax.expr_functor.mutator
 class _SetLayouts(relax.PyExprMutator):
-    def __init__(self, by_call: dict, shared: set) -> None:
+    def __init__(self, by_call: dict, shared: set, resize: dict) -> None:
         super().__init__()
         self.by_call = by_call
         self.shared = shared  # plain tensors reordered once for their oneDNN readers
+        self.resize = resize  # call -> its result's type with padded channels
         self.blocked_copy: dict = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -754,7 +821,8 @@ class _SetLayouts(relax.PyExprMutator):
                 copy = relax.call_dps_packed(onednn.TO_BLOCKED, [args[0]], relax.TensorType(list(static_shape(x)), "float32"))
                 self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_nChw16c")
             args[0] = self.blocked_copy[x]
-        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
+        ty_args = [self.resize[call]] if call in self.resize else call.ty_args
+        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, ty_args)
 
 
 # ---------------------------------------------------------------------- prologues read the pieces
@@ -819,6 +887,7 @@ class LibraryWrites:
     computed: int
     copied: int
     scratch: int
+    residual: int = 0  # the residual a conv2d_add copies into its output before the conv
 
 
 def _nbytes(expr) -> int:
@@ -827,12 +896,17 @@ def _nbytes(expr) -> int:
 
 
 def library_writes(call) -> Optional[LibraryWrites]:
-    """What a ``call_dps_packed`` into this library writes (None for any other expression)."""
+    """What a ``call_dps_packed`` into this library (or a residual conv in place, see
+    :func:`residuals_in_place`) writes (None for any other expression)."""
+    if _op(call) == "relax.call_tir_inplace" and call.args[0].name_hint.startswith(INPLACE_WRAPPER):
+        return LibraryWrites(_nbytes(call), 0, 0)
     found = _onednn_call(call)
     if found is None:
         return None
     name, args = found
     out = sum(_nbytes(f) for f in call.ty.fields) if isinstance(call.ty, relax.TupleType) else _nbytes(call)
+    if name == onednn.FUNCTIONS["conv2d_add"]:
+        return LibraryWrites(out, 0, 0, residual=_nbytes(args[3]))
     if name == onednn.CONCAT:
         return LibraryWrites(0, out, 0)
     if name == onednn.FUNCTIONS["conv2d_pre"]:  # the pieces x_1..x_k, normalised
@@ -1017,6 +1091,114 @@ class _InPlace(relax.PyExprMutator):
                 return relax.TupleGetItem(self.visit_expr(old), keep.index(int(op.index)))
             return relax.TupleGetItem(self.visit_expr(old), 0)  # an absorbed piece: no reader left (DCE)
         return super().visit_tuple_getitem_(op)
+
+
+# ---------------------------------------------------------------------- the residual in place
+INPLACE_WRAPPER = "layerfuse_onednn_conv2d_add_inplace"  # the TIR wrappers' names (a number may follow)
+
+
+def residuals_in_place(mod: tvm.IRModule, choices: list) -> tvm.IRModule:
+    """``conv2d_add(x, W, b, r)`` whose residual ``r`` has no other reader -> the result is
+    written into ``r``'s own buffer (the ``sum`` post-op reads each element where it writes
+    it: no copy of ``r`` into a fresh destination)::
+
+        y = call_dps_packed("layerfuse.onednn.conv2d_add", (x, W, b, r, attrs), out)
+          -> y = call_tir_inplace(wrap, (x, W, b, r), inplace_indices=[3], out)
+             wrap(x, W, b, r): call_packed("layerfuse.onednn.conv2d_add_inplace", x, W, b, r, *attrs)
+
+    ``call_tir_inplace`` (not ``call_inplace_packed``) because memory planning follows its
+    alias: CallTIRRewrite binds ``y = r``, so r's storage stays live while y is, where
+    ``StaticPlanBlockMemory`` would free r's storage at a packed call's last use of r and hand
+    it to a later tensor while y (the same bytes) is still read.
+
+    Taken when ``r`` is a dataflow tensor that a tactic-library call makes (a fresh buffer,
+    never a view of another tensor, a parameter or the result) and this call is its last
+    reader: every other reader is a tactic-library call bound before it (those make fresh
+    outputs, so no view of ``r`` outlives the call; e.g. a ResNet block's input, read by its
+    first conv and then by the residual add). Otherwise the library copies ``r`` into the
+    destination first. ``choices`` gets ``(bound variable, "in-place" | why the copy stays)``
+    per ``conv2d_add``."""
+    wrappers: dict = {}  # (shapes, attrs) -> GlobalVar of the TIR wrapper
+    builder = relax.BlockBuilder(mod)  # adds the wrappers (typed GlobalVars) to mod
+    rewrites = {}
+    for gv, func in relax_functions(mod):
+        if is_primitive(func):
+            continue
+        bindings = _bindings(func)
+        made = {b.var for b in bindings if _onednn_call(b.value) is not None and not isinstance(b.var.ty, relax.TupleType)}
+        readers: dict = {}  # var -> [(binding index, read by a tactic-library call)]
+        for i, b in enumerate(bindings):
+            for v in relax.analysis.free_vars(b.value):
+                readers.setdefault(v, []).append((i, _onednn_call(b.value) is not None))
+        for v in relax.analysis.free_vars(func.body.body):
+            readers.setdefault(v, []).append((len(bindings), False))
+        chosen = {}
+        for i, b in enumerate(bindings):
+            found = _onednn_call(b.value)
+            if found is None or found[0] != onednn.FUNCTIONS["conv2d_add"]:
+                continue
+            args = found[1]
+            r = args[3]
+            others = [(j, lib) for j, lib in readers.get(r, []) if j != i]
+            if not isinstance(r, relax.DataflowVar) or r not in made:
+                why = "the residual is not a tensor a tactic-library call makes in this block"
+            elif any(a.same_as(r) for a in args[:3]):
+                why = "the conv reads the residual as an operand too"
+            elif any(j > i for j, _ in others):
+                why = f"the residual {r.name} is read after the conv"
+            elif not all(lib for _, lib in others):
+                why = f"the residual {r.name} is read by a TVM kernel too"
+            else:
+                why = ""
+            choices.append((b.var.name, why or "in-place"))
+            if why:
+                continue
+            shapes = tuple(tuple(static_shape(a)) for a in args[:4])
+            attrs = tuple(int(a) for a in args[4].values)
+            key = (shapes, attrs)
+            if key not in wrappers:
+                wrappers[key] = builder.add_func(_inplace_wrapper(shapes, attrs), INPLACE_WRAPPER)
+            chosen[b.value] = (wrappers[key], args[:4], relax.TensorType(list(static_shape(b.var)), "float32"))
+        if chosen:
+            rewrites[gv] = chosen
+    mod = builder.get()
+    for gv, chosen in rewrites.items():
+        mod[gv] = _ResidualInPlace(chosen).visit_expr(mod[gv])
+    n = sum(c == "in-place" for _, c in choices)
+    if choices:
+        log.info("residual in place for %d of %d conv+add layers", n, len(choices))
+    return mod
+
+
+def _inplace_wrapper(shapes: tuple, attrs: tuple):
+    """The TIR function ``(x, W, b, r)`` that calls the library's in-place conv2d_add (see
+    :func:`residuals_in_place`); attrs as integer arguments, fixed per wrapper. Any operand
+    may sit at an offset in its storage (``offset_factor=1``: the call passes it on). Parsed
+    from text (a decorated function would make TVMScript read this module's source file);
+    ``op_pattern`` 8 (opaque): FuseOps never fuses the library call with a neighbour."""
+    params = ", ".join(f'{n}: T.Buffer({tuple(s)}, "float32", offset_factor=1)' for n, s in zip("xwbr", shapes))
+    ints = ", ".join(f"T.int64({int(a)})" for a in attrs)
+    source = (
+        "@T.prim_func(private=True)\n"
+        f"def main({params}):\n"
+        '    T.func_attr({"tir.noalias": True, "op_pattern": 8})\n'
+        f'    T.call_packed("{onednn.CONV2D_ADD_INPLACE}", x, w, b, r, {ints})\n'
+    )
+    return tvm.script.from_source(source)
+
+
+@relax.expr_functor.mutator
+class _ResidualInPlace(relax.PyExprMutator):
+    def __init__(self, chosen: dict) -> None:
+        super().__init__()
+        self.chosen = chosen
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new = self.chosen.get(call)
+        if new is None:
+            return super().visit_call_(call)
+        gv, args, out = new
+        return relax.op.call_tir_inplace(gv, relax.Tuple([self.visit_expr(a) for a in args]), inplace_indices=[3], out_ty=out)
 
 
 # ---------------------------------------------------------------------- the classifier
