@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm_layerfuse.onnx_realize import realize
 from tvm_layerfuse.planner import FusionPlan, plan
 from tvm_layerfuse.testing.checks import output_mismatches
+from tvm_layerfuse.topology.shape_folding import seeded_feeds
 
 RTOL = 1e-4  # fp32: max |a - b| / max |a| against onnxruntime with optimisations off
 
@@ -141,17 +142,10 @@ class Net:
 
 
 def feeds_for(model: onnx.ModelProto, *, seed: int = 1) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    inits = {t.name for t in model.graph.initializer}
-    feeds = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
-        v = rng.standard_normal(shape).astype(np.float32)
-        if "_var" in vi.name:
-            v = np.abs(v) + 0.5  # a variance fed at run time must be positive
-        feeds[vi.name] = v
+    feeds = seeded_feeds(model, seed=seed)
+    for name, v in feeds.items():
+        if "_var" in name:
+            feeds[name] = np.abs(v) + 0.5  # a variance fed at run time must be positive
     return feeds
 
 

@@ -252,13 +252,29 @@ def _bound(bp: BoardProcess) -> bool:
     return f"bind to {bp.host}:{bp.port}" in bp.log_tail(200)
 
 
-def _start(role: str, make_cmd, *, host: str, port: int, env: dict[str, str], log_path: Optional[Path], ready, make_bp):
-    """Spawn, wait until ready; with ``port=0`` pick a free port and retry if it was taken meanwhile."""
+def _start(
+    role: str,
+    make_cmd,
+    *,
+    host: str,
+    port: int,
+    env: Optional[dict[str, str]],
+    log_path: Optional[Path],
+    ready,
+    machine: str,
+    key: Optional[str] = None,
+    tracker: Optional[tuple[str, int]] = None,
+) -> BoardProcess:
+    """Spawn ``make_cmd(port)`` with ``env`` (default: ours) plus ``TVM_USE_RUNTIME_LIB=1``
+    unless it says otherwise, wait until ready; with ``port=0`` pick a free port and retry if
+    it was taken meanwhile."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("TVM_USE_RUNTIME_LIB", "1")
     attempts = 3 if port == 0 else 1
     for attempt in range(attempts):
         chosen = free_port(host) if port == 0 else port
         proc, logp, owned = _spawn(role, make_cmd(chosen), env=env, log_path=log_path)
-        bp = make_bp(chosen, proc, logp, owned)
+        bp = BoardProcess(role, host, chosen, proc, logp, machine, key, tracker, _owns_log_dir=owned)
         try:
             _wait_ready(bp, ready_timeout=ready[0], probe=lambda: _bound(bp) and ready[1](bp))
             return bp
@@ -325,19 +341,17 @@ def start_server(
         # goes back to accepting); with a tracker it would make it re-register, so not there.
         return _listening(host, bp.port)
 
-    full_env = dict(os.environ if env is None else env)
-    full_env.setdefault("TVM_USE_RUNTIME_LIB", "1")
     bp = _start(
         "server",
         make_cmd,
         host=host,
         port=port,
-        env=full_env,
+        env=env,
         log_path=log_path,
         ready=(ready_timeout, ready),
-        make_bp=lambda p, proc, logp, owned: BoardProcess(
-            "server", host, p, proc, logp, machine or _this_machine(), key or None, tracker_addr, owned
-        ),
+        machine=machine or _this_machine(),
+        key=key or None,
+        tracker=tracker_addr,
     )
     log.info(
         "RPC server (%s) ready on %s:%d%s", bp.machine, host, bp.port, f" under key {key!r}" if tracker_addr else ""
@@ -368,19 +382,8 @@ def start_tracker(
         except (OSError, BoardError):
             return False
 
-    env = dict(os.environ)
-    env.setdefault("TVM_USE_RUNTIME_LIB", "1")
     return _start(
-        "tracker",
-        make_cmd,
-        host=host,
-        port=port,
-        env=env,
-        log_path=log_path,
-        ready=(ready_timeout, answers),
-        make_bp=lambda p, proc, logp, owned: BoardProcess(
-            "tracker", host, p, proc, logp, _this_machine(), _owns_log_dir=owned
-        ),
+        "tracker", make_cmd, host=host, port=port, env=None, log_path=log_path, ready=(ready_timeout, answers), machine=_this_machine()
     )
 
 

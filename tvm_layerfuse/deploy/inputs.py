@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import ArtifactError, BoardMismatchError, UsageError
-from ..runtime.loader import Inputs, check_inputs, contiguous, parse_device
+from ..runtime.loader import Inputs, check_inputs, compiled_for, contiguous, parse_device
 
 Address = Union[str, Sequence[Any]]
 
@@ -109,7 +109,6 @@ def check_device(manifest: Mapping[str, Any], device: str) -> None:
     target = manifest["target"]
     if target.get("device") != kind:
         raise BoardMismatchError(
-            f"artifact was compiled for {target.get('device')} ({target.get('preset')}"
-            f"{' ' + target['arch'] if target.get('arch') else ''}), but --device {device} was requested; "
+            f"artifact was compiled for {compiled_for(target)}, but --device {device} was requested; "
             f"deploy it with --device {target.get('device')} or compile for {kind}"
         )

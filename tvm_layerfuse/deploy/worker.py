@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -60,7 +60,6 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
     timeout = job["timeout"]
     socket.setdefaulttimeout(timeout)  # every Python socket of this worker (the tracker's)
     import tvm
-    from tvm import rpc as tvm_rpc
     from tvm.runtime import vm as vm_runtime
 
     art = Path(job["artifact"])
@@ -91,33 +90,8 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
     kind, _, index = job["device"].partition(":")
     index = int(index or 0)
     known: dict[str, dict[str, Any]] = {}
-    tracker = None
-    if job["tracker"]:
-        tracker = TrackerClient(tuple(job["tracker"]), key=job["key"], timeout=timeout, emit=emit)
-
-    for number in range(job["sessions"]):
-        # -------- which board
-        if tracker is not None:
-            host, port, matchkey = tracker.request()
-        else:
-            host, port = job["rpc"]
-            matchkey = job["key"] or ""  # a server started with --key (and no tracker) wants it
-        board = f"{host}:{port}"
-
-        def step(what: str, limit: float = timeout, hint: Optional[str] = None, board: str = board) -> str:
-            emit("step", what=what, where=f"board {board}", limit=limit, **({"hint": hint} if hint else {}))
-            return what
-
-        # -------- connect
-        step(
-            "connecting",
-            hint="the board is down or unreachable, or its RPC server does not answer - check the board and restart its server",
-        )
-        try:
-            sess = tvm_rpc.connect(host, port, key=matchkey, session_timeout=job["session_timeout"])
-        except Exception as e:  # noqa: BLE001
-            raise StepFailure("unreachable", _connect_failure(host, port, e, tracker=tracker)) from None
-
+    hint = "the board is down or unreachable, or its RPC server does not answer - check the board and restart its server"
+    for number, board, sess, step in _sessions(job, emit, connect_hint=hint):
         # -------- what is it
         if board not in known:
             step("asking the board what it is")
@@ -198,8 +172,6 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
         # -------- close the session (frees the board for the tracker's next request)
         del timer, result, flat, args, vm, rlib, dev, sess
         gc.collect()
-    if tracker is not None:
-        tracker.close()
 
 
 VTA_SERVER = "python -m tvm_layerfuse.vta.rpc_server"
@@ -213,8 +185,6 @@ def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
     import hashlib
     import io
 
-    from tvm import rpc as tvm_rpc
-
     timeout = job["timeout"]
     files: dict[str, bytes] = {}
     for name, digest in job["vta_files"].items():
@@ -226,25 +196,10 @@ def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
         buf = io.BytesIO()
         np.savez(buf, **{k: data[k] for k in data.files})
     inputs = bytearray(buf.getvalue())
-    tracker = TrackerClient(tuple(job["tracker"]), key=job["key"], timeout=timeout, emit=emit) if job["tracker"] else None
     total_mb = sum(len(b) for b in files.values()) / 1e6
     known: dict[str, Optional[str]] = {}  # board -> its machine
-    for number in range(job["sessions"]):
-        if tracker is not None:
-            host, port, matchkey = tracker.request()
-        else:
-            (host, port), matchkey = job["rpc"], job["key"] or ""
-        board = f"{host}:{port}"
-
-        def step(what: str, hint: Optional[str] = None) -> str:
-            emit("step", what=what, where=f"board {board}", limit=timeout, **({"hint": hint} if hint else {}))
-            return what
-
-        step("connecting", hint="the board is down or unreachable, or its RPC server does not answer - check the board")
-        try:
-            sess = tvm_rpc.connect(host, port, key=matchkey, session_timeout=job["session_timeout"])
-        except Exception as e:  # noqa: BLE001
-            raise StepFailure("unreachable", _connect_failure(host, port, e, tracker=tracker)) from None
+    hint = "the board is down or unreachable, or its RPC server does not answer - check the board"
+    for number, board, sess, step in _sessions(job, emit, connect_hint=hint):
         if board not in known:
             step("asking the board what it is")
             known[board] = _remote_machine(sess)
@@ -295,8 +250,42 @@ def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
         emit("run", board=board, latencies_ms=latencies, outputs=str(out_path), counters=counters)
         del load, timer, sess
         gc.collect()
+
+
+def _sessions(job: Mapping[str, Any], emit: Callable[..., None], *, connect_hint: str) -> Iterator[tuple]:
+    """``(number, board, sess, step)`` for each of the job's sessions: the board (handed out
+    by the tracker, or ``job["rpc"]``) as ``"host:port"``, an RPC session to it, and
+    ``step(what, hint=None)``, which reports the step (``emit``) and returns ``what``.
+    Closes the tracker client after the last one."""
+    timeout = job["timeout"]
+    tracker = TrackerClient(tuple(job["tracker"]), key=job["key"], timeout=timeout, emit=emit) if job["tracker"] else None
+    for number in range(job["sessions"]):
+        if tracker is not None:
+            host, port, matchkey = tracker.request()
+        else:
+            # a server started with --key (and no tracker) wants it
+            (host, port), matchkey = job["rpc"], job["key"] or ""
+        board = f"{host}:{port}"
+
+        def step(what: str, hint: Optional[str] = None, board: str = board) -> str:
+            emit("step", what=what, where=f"board {board}", limit=timeout, **({"hint": hint} if hint else {}))
+            return what
+
+        step("connecting", hint=connect_hint)
+        # no reference to the session stays here: the caller's `del sess` frees the board
+        # before the next request
+        yield number, board, _connect(host, port, matchkey, job, tracker=tracker), step
     if tracker is not None:
         tracker.close()
+
+
+def _connect(host: str, port: int, matchkey: str, job: Mapping[str, Any], *, tracker: Optional["TrackerClient"]):
+    from tvm import rpc as tvm_rpc
+
+    try:
+        return tvm_rpc.connect(host, port, key=matchkey, session_timeout=job["session_timeout"])
+    except Exception as e:  # noqa: BLE001
+        raise StepFailure("unreachable", _connect_failure(host, port, e, tracker=tracker)) from None
 
 
 def _flatten(value: Any) -> list[Any]:

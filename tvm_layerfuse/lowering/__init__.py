@@ -17,33 +17,18 @@ and before ``StaticPlanBlockMemory``):
 * :func:`concat_report` - concat kernels, bytes they copy and planned activation memory.
 """
 
+from . import pipeline
 from .inline_prologue import InlinePrologue, PrologueReport
 from .inplace_concat import InPlaceConcat, InPlaceReport
-from .pipeline import (
-    LayerfusePipeline,
-    concat_report,
-    default_passes,
-    format_concat_report,
-    layerfuse_passes,
-    layerfuse_pipeline,
-    plan_check,
-    plan_memory,
-)
+from .pipeline import *  # noqa: F403 - the names in pipeline.__all__
 from .split_outputs import SplitOutputBuffers, SplitReport
 
 __all__ = [
     "InlinePrologue",
     "InPlaceConcat",
     "InPlaceReport",
-    "LayerfusePipeline",
     "PrologueReport",
     "SplitOutputBuffers",
     "SplitReport",
-    "concat_report",
-    "default_passes",
-    "format_concat_report",
-    "layerfuse_passes",
-    "layerfuse_pipeline",
-    "plan_check",
-    "plan_memory",
+    *pipeline.__all__,
 ]

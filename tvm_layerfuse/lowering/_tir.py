@@ -115,8 +115,39 @@ def _collect(node, kind) -> list:
     return found
 
 
-def _is_prim_func(func) -> bool:
-    return isinstance(func, tirx.PrimFunc)
+_MISSING = object()
+
+
+def _get(pairs, key, default=_MISSING):
+    """``pairs`` (``(node, value)`` pairs, e.g. ``mapping.items()``) looked up by object
+    identity, never by ``==`` (which builds an expression for TIR variables); ``default``
+    when absent, else ``KeyError``."""
+    for k, v in pairs:
+        if k.same_as(key):
+            return v
+    if default is _MISSING:
+        raise KeyError(key)
+    return default
+
+
+def _iter_var_index(expr, iter_vars) -> Optional[int]:
+    """Position of the iter var that ``expr`` is (the same node), or None."""
+    return next((k for k, iv in enumerate(iter_vars) if expr.same_as(iv.var)), None)
+
+
+def _plain_params(func) -> Union[list, str]:
+    """The parameters of ``func`` when it is a PrimFunc of at least two plain buffer
+    parameters (the recognisers' common premise), else a reason."""
+    if not isinstance(func, tirx.PrimFunc):
+        return "not a PrimFunc"
+    params = list(func.params)
+    if len(params) < 2 or not all(tirx.is_buffer_var(p) for p in params):
+        return "parameters are not all buffers"
+    for p in params:
+        reason = _plain_buffer(p)
+        if reason:
+            return reason
+    return params
 
 
 # ----------------------------------------------------------------------------- loop nests
@@ -233,26 +264,20 @@ def retarget_body(body, remap: Mapping[object, Region]):
     """``body`` with every load/store/region of a key of ``remap`` moved to its region."""
     items = list(remap.items())
 
-    def find(buf):
-        for old, region in items:
-            if buf.same_as(old):
-                return region
-        return None
-
     def on_load(node):
-        r = find(node.source)
+        r = _get(items, node.source, None)
         if r is None:
             return node
         return tirx.BufferLoad(r.buffer, _shift(list(node.indices), r.offsets))
 
     def on_store(node):
-        r = find(node.buffer)
+        r = _get(items, node.buffer, None)
         if r is None:
             return node
         return tirx.BufferStore(r.buffer, node.value, _shift(list(node.indices), r.offsets))
 
     def on_region(node):
-        r = find(node.source)
+        r = _get(items, node.source, None)
         if r is None:
             return node
         ranges = [
@@ -329,23 +354,7 @@ def check_partitionable(func, out, axis: int) -> Union[Nest, str]:
 
 def _rename(node, mapping: Mapping[object, object]):
     items = list(mapping.items())
-
-    def on_var(v):
-        for old, new in items:
-            if v.same_as(old):
-                return new
-        return v
-
-    return tvm_ffi.structural_map(node, [(ir.Var, on_var)])
-
-
-def _get(pairs, key):
-    """``pairs`` (a list of (Var, value)) looked up by object identity, never by ``==``
-    (which builds an expression for TIR variables)."""
-    for k, v in pairs:
-        if k.same_as(key):
-            return v
-    raise KeyError(key)
+    return tvm_ffi.structural_map(node, [(ir.Var, lambda v: _get(items, v, v))])
 
 
 def partition(func, out, axis: int, pieces: Sequence[Piece], params: Sequence, *, nest: Nest) -> "tirx.PrimFunc":
@@ -455,31 +464,27 @@ class ConcatKernel:
 
 def _axis_var_offset(expr, iter_vars) -> Optional[tuple[int, int]]:
     """``(axis, o)`` when ``expr`` is ``v_axis - o`` / ``v_axis + (-o)`` / ``v_axis``."""
-    for k, iv in enumerate(iter_vars):
-        if expr.same_as(iv.var):
-            return k, 0
-    if isinstance(expr, tirx.Sub) and isinstance(expr.b, tirx.IntImm):
-        for k, iv in enumerate(iter_vars):
-            if expr.a.same_as(iv.var):
-                return k, int(expr.b.value)
-    if isinstance(expr, tirx.Add) and isinstance(expr.b, tirx.IntImm):
-        for k, iv in enumerate(iter_vars):
-            if expr.a.same_as(iv.var):
-                return k, -int(expr.b.value)
+    k = _iter_var_index(expr, iter_vars)
+    if k is not None:
+        return k, 0
+    for kind, sign in ((tirx.Sub, 1), (tirx.Add, -1)):
+        if isinstance(expr, kind) and isinstance(expr.b, tirx.IntImm):
+            k = _iter_var_index(expr.a, iter_vars)
+            if k is not None:
+                return k, sign * int(expr.b.value)
     return None
 
 
 def _cond_offset(cond, iter_vars) -> Optional[tuple[int, int]]:
     """``(axis, o)`` for ``o <= v_axis`` or ``v_axis >= o``."""
     if isinstance(cond, tirx.LE) and isinstance(cond.a, tirx.IntImm):
-        for k, iv in enumerate(iter_vars):
-            if cond.b.same_as(iv.var):
-                return k, int(cond.a.value)
-    if isinstance(cond, tirx.GE) and isinstance(cond.b, tirx.IntImm):
-        for k, iv in enumerate(iter_vars):
-            if cond.a.same_as(iv.var):
-                return k, int(cond.b.value)
-    return None
+        var, const = cond.b, cond.a
+    elif isinstance(cond, tirx.GE) and isinstance(cond.b, tirx.IntImm):
+        var, const = cond.a, cond.b
+    else:
+        return None
+    k = _iter_var_index(var, iter_vars)
+    return None if k is None else (k, int(const.value))
 
 
 def _concat_block(nest: Nest, shapes: Mapping) -> Union[tuple, str]:
@@ -503,7 +508,7 @@ def _concat_block(nest: Nest, shapes: Mapping) -> Union[tuple, str]:
     ivs = list(block.iter_vars)
     if not _same_vars(list(store.indices), ivs) or any(int(iv.iter_type) != 0 for iv in ivs):
         return "the store is not at the block's spatial iter vars"
-    out_shape = next((sh for b, sh in shapes.items() if b.same_as(dest)), None)
+    out_shape = _get(shapes.items(), dest, None)
     if out_shape is None or [int(iv.dom.extent.value) for iv in ivs] != list(out_shape):
         return "the nest does not cover its destination"
     pieces = []  # (axis or None, o, load), from the last source to the first
@@ -533,7 +538,7 @@ def _concat_block(nest: Nest, shapes: Mapping) -> Union[tuple, str]:
         sources.append((load.source, o))
     start = 0
     for src, o in sources:
-        shape = next((sh for b, sh in shapes.items() if b.same_as(src)), None)
+        shape = _get(shapes.items(), src, None)
         if shape is None or o != start or len(shape) != len(out_shape):
             return "offsets are not the running sum of the source extents"
         if any(shape[d] != out_shape[d] for d in range(len(shape)) if d != axis):
@@ -552,16 +557,10 @@ def match_concat(func) -> Union[ConcatKernel, str]:
     Every top-level loop nest must be a concat block (:func:`_concat_block`); expanding the
     intermediates from the output must reach every input parameter exactly once and use
     every intermediate exactly once."""
-    if not _is_prim_func(func):
-        return "not a PrimFunc"
-    params = list(func.params)
-    if len(params) < 2 or not all(tirx.is_buffer_var(p) for p in params):
-        return "parameters are not all buffers"
+    params = _plain_params(func)
+    if isinstance(params, str):
+        return params
     out, inputs = params[-1], params[:-1]
-    for p in params:
-        reason = _plain_buffer(p)
-        if reason:
-            return reason
     root = root_block(func)
     if root is None:
         return "no root block"
@@ -585,7 +584,7 @@ def match_concat(func) -> Union[ConcatKernel, str]:
         writers[dest] = (axis, sources)
 
     def writer(buf):
-        return next((v for d, v in writers.items() if d.same_as(buf)), None)
+        return _get(writers.items(), buf, None)
 
     top = writer(out)
     if top is None:
@@ -679,16 +678,10 @@ class SplitKernel:
 
 def match_split(func) -> Union[SplitKernel, str]:
     """Recognise TOPI's split: one input, ``n`` outputs, one nest per output copying a slice."""
-    if not _is_prim_func(func):
-        return "not a PrimFunc"
-    params = list(func.params)
-    if len(params) < 2 or not all(tirx.is_buffer_var(p) for p in params):
-        return "parameters are not all buffers"
+    params = _plain_params(func)
+    if isinstance(params, str):
+        return params
     src, outs = params[0], params[1:]
-    for p in params:
-        reason = _plain_buffer(p)
-        if reason:
-            return reason
     root = root_block(func)
     if root is None or list(root.alloc_buffers):
         return "no plain root block"

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import s_tir
 
+from ..relax._ir import with_functions
 from ..relax.fuse_prologue import PROLOGUE_PREFIX
 from ..report import Report
 from . import _tir
@@ -93,9 +94,4 @@ class InlinePrologue:
             if done:
                 updates[gv] = sch.mod["main"]
                 self.report.inlined[gv.name_hint] = done
-        if not updates:
-            return mod
-        out = mod.clone()
-        for gv, func in updates.items():
-            out[gv] = func
-        return out
+        return with_functions(mod, updates)

@@ -295,16 +295,13 @@ class InPlaceConcat:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = InPlaceReport()
-        out = rewrite_relax_functions(mod, self._rewrite_function)
-        if out is None:
-            return mod
-        if not relax.analysis.check_well_formed(out):  # never hand on a broken module: undo everything
-            for entry in self.report.concats:
-                if entry["status"] != "fallback":
-                    entry.update(status="fallback", reason="internal: the rewritten module was not well formed")
-            log.warning("InPlaceConcat: the rewritten module is not well formed; every concat left as a copy")
-            return mod
-        return out
+        return rewrite_relax_functions(mod, self._rewrite_function, undo=self._undo)
+
+    def _undo(self, reason: str) -> None:
+        for entry in self.report.concats:
+            if entry["status"] != "fallback":
+                entry.update(status="fallback", reason=reason)
+        log.warning("InPlaceConcat: the rewritten module is not well formed; every concat left as a copy")
 
     # ------------------------------------------------------------------
     def _rewrite_function(self, name, func, mod, bb, replaced) -> Optional[relax.Function]:

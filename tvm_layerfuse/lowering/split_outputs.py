@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import tvm
 from tvm import relax
@@ -79,11 +79,13 @@ def var_uses(func: relax.Function) -> dict:
     return counts
 
 
-def rewrite_relax_functions(mod: tvm.IRModule, rewrite) -> Optional[tvm.IRModule]:
+def rewrite_relax_functions(mod: tvm.IRModule, rewrite, *, undo: Callable[[str], None]) -> tvm.IRModule:
     """Apply ``rewrite(name, func, mod, bb, replaced)`` to every non-primitive Relax function
     of ``mod``; ``rewrite`` returns the new function or None, and adds to ``replaced`` the
-    PrimFuncs it made unused. Returns the new module without those PrimFuncs, or None when
-    nothing changed. (The caller checks the result is well formed.)"""
+    PrimFuncs it made unused. Returns the new module without those PrimFuncs, or ``mod``
+    itself when nothing changed or when the new module is not well formed: a broken module
+    is never handed on, everything is undone and ``undo(reason)`` records that in the pass's
+    report."""
     bb = relax.BlockBuilder(mod)
     replaced: set = set()
     changed = False
@@ -94,7 +96,13 @@ def rewrite_relax_functions(mod: tvm.IRModule, rewrite) -> Optional[tvm.IRModule
         if new is not None:
             bb.update_func(gv, new)
             changed = True
-    return drop_unused_prim_funcs(bb.get(), replaced) if changed else None
+    if not changed:
+        return mod
+    out = drop_unused_prim_funcs(bb.get(), replaced)
+    if not relax.analysis.check_well_formed(out):
+        undo("internal: the rewritten module was not well formed")
+        return mod
+    return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="SplitOutputBuffers")
@@ -110,17 +118,13 @@ class SplitOutputBuffers:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.report = SplitReport()
-        out = rewrite_relax_functions(mod, self._rewrite_function)
-        if out is None:
-            return mod
-        if not relax.analysis.check_well_formed(out):  # never hand on a broken module: undo everything
-            for entry in self.report.rewritten:
-                reason = "internal: the rewritten module was not well formed"
-                self.report.refused.append({"function": entry["function"], "split": entry["split"], "reason": reason})
-            self.report.rewritten = []
-            log.warning("SplitOutputBuffers: the rewritten module is not well formed; every split kept")
-            return mod
-        return out
+        return rewrite_relax_functions(mod, self._rewrite_function, undo=self._undo)
+
+    def _undo(self, reason: str) -> None:
+        for entry in self.report.rewritten:
+            self.report.refused.append({"function": entry["function"], "split": entry["split"], "reason": reason})
+        self.report.rewritten = []
+        log.warning("SplitOutputBuffers: the rewritten module is not well formed; every split kept")
 
     # ------------------------------------------------------------------
     def _rewrite_function(self, name, func, mod, bb, replaced) -> Optional[relax.Function]:

@@ -34,6 +34,17 @@ def relax_functions(mod: tvm.IRModule) -> list[tuple[tvm.ir.GlobalVar, relax.Fun
     return sorted(items, key=lambda item: item[0].name_hint)
 
 
+def with_functions(mod: tvm.IRModule, updates: Mapping[tvm.ir.GlobalVar, Any]) -> tvm.IRModule:
+    """``mod`` with the functions in ``updates`` replaced: a copy (a pass never modifies the
+    caller's module in place), or ``mod`` itself when there are none."""
+    if not updates:
+        return mod
+    out = mod.clone()
+    for gv, func in updates.items():
+        out[gv] = func
+    return out
+
+
 def is_primitive(func: relax.Function) -> bool:
     """Whether ``func`` is an already-fused function (its body is one kernel's worth): marked
     ``Primitive`` (by FuseOps or a layerfuse pass), a ``Composite`` pattern, or offloaded
@@ -176,6 +187,22 @@ class FunctionFacts:
             if s is not None and len(s) == len(shape) and s[1:] == shape[1:]:
                 names.append(n)
         return names
+
+
+@relax.expr_functor.mutator
+class SubstituteVars(relax.PyExprMutator):
+    """Replaces each Var (dataflow or not) that is a key of ``mapping`` by its value. The
+    dict is read on every visit: entries added between ``visit_expr`` calls apply."""
+
+    def __init__(self, mapping: dict) -> None:
+        super().__init__()
+        self.mapping = mapping
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        return self.mapping.get(var, var)
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
+        return self.mapping.get(var, var)
 
 
 def static_shape(expr: relax.Expr) -> Optional[tuple[int, ...]]:

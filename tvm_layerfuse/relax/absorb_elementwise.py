@@ -30,7 +30,7 @@ from typing import Any, Optional
 import tvm
 from tvm import relax
 
-from ._ir import is_primitive, relax_functions, static_shape
+from ._ir import SubstituteVars, is_primitive, relax_functions, static_shape
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def _extended_function(group: relax.Function, y: relax.Var, absorbed: list, exte
         res = relax.DataflowVar("lv_group", y.ty)
         tail = [relax.VarBinding(res, result)]
         remap[y] = res
-    mutator = _VarRemap(remap)
+    mutator = SubstituteVars(remap)
     for b in absorbed:
         new_var = relax.DataflowVar(b.var.name, b.var.ty)
         tail.append(relax.VarBinding(new_var, mutator.visit_expr(b.value)))
@@ -225,14 +225,3 @@ def _extended_function(group: relax.Function, y: relax.Var, absorbed: list, exte
     )
 
 
-@relax.expr_functor.mutator
-class _VarRemap(relax.PyExprMutator):
-    def __init__(self, remap: dict) -> None:
-        super().__init__()
-        self.remap = remap
-
-    def visit_var_(self, var: relax.Var) -> relax.Expr:
-        return self.remap.get(var, var)
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
-        return self.remap.get(var, var)

@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 import tvm
 from tvm import relax
 
-from ._ir import is_primitive, op_name
+from ._ir import is_primitive, op_name, with_functions
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +192,4 @@ class CancelSplitConcat:
                 updates[gv] = new
                 self.cancelled += n
                 log.info("CancelSplitConcat: %d concat(split) pair(s) cancelled in %s", n, gv.name_hint)
-        if not updates:
-            return mod
-        mod = mod.clone()
-        for gv, func in updates.items():
-            mod[gv] = func
-        return mod
+        return with_functions(mod, updates)

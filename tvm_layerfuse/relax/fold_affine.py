@@ -46,7 +46,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, is_tuple_get_item, rewrite_call, wildcard
 
-from ._ir import FunctionFacts, conv2d_layout_reason, dtype_of, is_primitive, numel, relax_functions, static_shape
+from ._ir import FunctionFacts, conv2d_layout_reason, dtype_of, is_primitive, numel, relax_functions, static_shape, with_functions
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +115,7 @@ class FoldAffineIntoConv2D:
             new = _FoldOneFunction(self.only_weights, self.folded, refusals).run(func)
             if new is not None:
                 updates[gv] = new
-        if updates:
-            mod = mod.clone()  # never modify the caller's module in place
-        for gv, func in updates.items():
-            mod[gv] = func
+        mod = with_functions(mod, updates)
         self.refused = list(refusals.values())
         for r in self.refused:
             log.info("not folded: %s %s: %s", r["op"], r["var"], r["reason"])

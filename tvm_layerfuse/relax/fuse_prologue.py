@@ -38,6 +38,7 @@ from tvm import relax
 
 from ._ir import (
     FunctionFacts,
+    SubstituteVars,
     is_primitive,
     op_name,
     relax_functions,
@@ -55,17 +56,6 @@ def _op(value) -> str:
     return op_name(value) or ""
 
 
-@relax.expr_functor.mutator
-class _Substitute(relax.PyExprMutator):
-    def __init__(self, mapping: dict) -> None:
-        super().__init__()
-        self.mapping = mapping
-
-    def visit_var_(self, var: relax.Var) -> relax.Expr:
-        return self.mapping.get(var, var)
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
-        return self.mapping.get(var, var)
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseConv2DPrologue")
@@ -203,7 +193,7 @@ class FuseConv2DPrologue:
                 a = fb.emit(relax.op.add(a, tp))  # + t
                 z = fb.emit(relax.op.nn.relu(a))
                 mapping = {head: z}
-                sub = _Substitute(mapping)
+                sub = SubstituteVars(mapping)
                 out = None
                 for k, (var, value) in enumerate(bindings):
                     if k == len(bindings) - 1 and result.same_as(var):  # the group's result

@@ -44,6 +44,7 @@ from ..errors import LayerfuseError, first_line
 from ..topology.graph import TopologyGraph
 from ..topology.materialize import materialize_constants
 from ..topology.onnx_reader import ModelSource, load_model, read_onnx
+from ._ir import with_functions
 
 log = logging.getLogger(__name__)
 
@@ -322,10 +323,7 @@ def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
                 updates[gv] = new
     if not updates:
         return mod
-    mod = mod.clone()
-    for gv, func in updates.items():
-        mod[gv] = func
-    mod = relax.transform.DeadCodeElimination()(mod)
+    mod = relax.transform.DeadCodeElimination()(with_functions(mod, updates))
     log.debug("call_tir of topi maximum/minimum turned into Relax ops: %s", sorted(set(replaced)))
     return mod
 

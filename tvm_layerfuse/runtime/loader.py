@@ -51,14 +51,18 @@ def parse_device(device: str) -> tuple[str, int]:
         raise DeviceError(f"device {device!r} has a bad index; expected cuda:N with N an integer") from None
 
 
+def compiled_for(target: Mapping[str, Any]) -> str:
+    """A manifest target in messages: ``device (preset[ arch])``."""
+    return f"{target.get('device')} ({target.get('preset')}{' ' + target['arch'] if target.get('arch') else ''})"
+
+
 def check_target(manifest: dict[str, Any], *, device: str, machine: str, where: str = "this machine") -> None:
     """Refuse an artifact whose target does not fit ``device`` on a ``machine`` host."""
     target = manifest["target"]
     kind, _ = parse_device(device)
     if target.get("device") != kind:
         raise ArtifactError(
-            f"artifact was compiled for {target.get('device')} ({target.get('preset')}"
-            f"{' ' + target['arch'] if target.get('arch') else ''}), but device {device!r} was requested; "
+            f"artifact was compiled for {compiled_for(target)}, but device {device!r} was requested; "
             f"compile with --target {'cuda' if kind == 'cuda' else 'cpu'} or run on {target.get('device')}"
         )
     if target.get("machine") and target["machine"] != machine:

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..vta.host import conv2d
+from ..vta.host import conv2d, pool2d, pool_out
 
 Shape = tuple[int, ...]
 
@@ -86,16 +86,6 @@ def conv_out(size: int, k: int, stride: int, pad_begin: int, pad_end: int, dilat
     return (size + pad_begin + pad_end - dilation * (k - 1) - 1) // stride + 1
 
 
-def pool_out(size: int, k: int, stride: int, pad_begin: int, pad_end: int, ceil: bool) -> int:
-    """Output length of a pooling along one axis, with torch's ceil-mode rule (the last
-    window must start inside the input or the left padding)."""
-    span = size + pad_begin + pad_end - k
-    out = (-(-span // stride) if ceil else span // stride) + 1
-    if ceil and (out - 1) * stride >= size + pad_begin:
-        out -= 1
-    return out
-
-
 def _pair(v: Union[int, Sequence[int]]) -> tuple[int, int]:
     if isinstance(v, (int, np.integer)):
         return int(v), int(v)
@@ -133,26 +123,8 @@ def _np_conv(x, w, b, *, strides, dilations, group, pads=(0, 0, 0, 0), auto_pad=
     return conv2d(x, w, b, strides=strides, dilations=dilations, group=group, pads=(pt, pl, pb, pr)).astype(np.float32)
 
 
-def _np_pool(x, *, op, kernel_shape, strides, pads, ceil_mode=0, count_include_pad=0, **_):
-    n, c, h, w = x.shape
-    (kh, kw), (sh, sw) = kernel_shape, strides
-    pt, pl, pb, pr = pads
-    oh = pool_out(h, kh, sh, pt, pb, bool(ceil_mode))
-    ow = pool_out(w, kw, sw, pl, pr, bool(ceil_mode))
-    xb = max(0, (oh - 1) * sh + kh - (h + pt + pb))  # ceil-mode overhang
-    xr = max(0, (ow - 1) * sw + kw - (w + pl + pr))
-    fill = -np.inf if op == "MaxPool" else 0.0
-    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb + xb), (pl, pr + xr)), constant_values=fill)
-    win = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw][:, :, :oh, :ow]
-    if op == "MaxPool":
-        return win.max(axis=(-2, -1)).astype(np.float32)
-    mask = np.zeros((1, 1) + xp.shape[2:], np.float32)
-    if count_include_pad:
-        mask[..., : h + pt + pb, : w + pl + pr] = 1
-    else:
-        mask[..., pt : pt + h, pl : pl + w] = 1
-    mwin = np.lib.stride_tricks.sliding_window_view(mask, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw][:, :, :oh, :ow]
-    return (win.sum(axis=(-2, -1)) / np.maximum(mwin.sum(axis=(-2, -1)), 1)).astype(np.float32)
+def _np_pool(x, **attrs):
+    return pool2d(x, **attrs).astype(np.float32)
 
 
 def _np_eval(op: str, ins: list, attrs: dict):
@@ -628,6 +600,31 @@ class NetBuilder:
         x = self.flatten(x)
         with self.scope(fc_scope):
             return self.linear(x, num_classes)
+
+    def squeeze_excitation(
+        self,
+        x: str,
+        squeeze: int,
+        *,
+        activation: Callable[[str], str],
+        scale_activation: Callable[[str], str],
+        activation_scope: str = "activation",
+    ) -> str:
+        """torchvision's SqueezeExcitation: AdaptiveAvgPool2d(1) -> fc1 1x1 conv (``squeeze``
+        channels) -> ``activation`` -> fc2 1x1 conv (back to x's channels) ->
+        ``scale_activation`` -> ``Mul(scale, x)``; ``activation_scope`` names the middle module."""
+        channels = self.shapes[x][1]
+        with self.scope("avgpool"):
+            s = self.global_avgpool(x)
+        with self.scope("fc1"):
+            s = self.conv(s, squeeze, 1)  # [N, squeeze, 1, 1]
+        with self.scope(activation_scope):
+            s = activation(s)
+        with self.scope("fc2"):
+            s = self.conv(s, channels, 1)  # [N, C, 1, 1]
+        with self.scope("scale_activation"):
+            s = scale_activation(s)
+        return self.mul(s, x)
 
     # ------------------------------------------------------------------ finish
     def build(

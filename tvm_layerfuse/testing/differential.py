@@ -54,6 +54,7 @@ import onnx
 from onnx import helper
 
 from ..errors import first_line
+from ..topology.reference import session
 from .checks import plan_violations, relative_error
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,6 @@ def output_scales(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> dict
 def run_reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
     """onnxruntime (CPU, optimisations off, one thread): the outputs, and every tensor by name
     (inputs, initializers and intermediate values) for :func:`output_scales`."""
-    import onnxruntime as ort
     from onnx import numpy_helper
 
     m = onnx.ModelProto()
@@ -154,13 +154,7 @@ def run_reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple
     extra = [o for n in m.graph.node for o in n.output if o and o not in declared]
     for o in dict.fromkeys(extra):
         m.graph.output.append(helper.make_empty_tensor_value_info(o))
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = session(m, threads=1)
     names = [o.name for o in sess.get_outputs()]
     got = dict(zip(names, sess.run(None, feeds)))
     values = dict(feeds)
@@ -170,16 +164,8 @@ def run_reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple
 
 
 def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
+    """onnxruntime (CPU, optimisations off, one thread): every graph output."""
+    return session(model, threads=1).run(None, feeds)
 
 
 # ---------------------------------------------------------------------- plan invariants
@@ -358,8 +344,6 @@ def check_case(
     if "unfused" in stages or "fused" in stages:
         from ..relax.pipeline import build, run, unfused
 
-        tgt = target or default_target()
-        inputs = [feeds[vi.name] for vi in model.graph.input if vi.name in feeds]
         try:
             base = run(build(unfused(model), target=tgt), inputs)
         except Exception as e:
@@ -367,6 +351,29 @@ def check_case(
         else:
             _compare(result, "unfused-mismatch", "unfused", ref, base, names, scales)
         lap("unfused")
+
+    def compare(stage: str, got) -> None:
+        """``got`` against onnxruntime, then (when that agrees) against the unfused build."""
+        ok = _compare(result, f"{stage}-mismatch", stage, ref, got, names, scales)
+        if ok and base is not None:
+            _compare(result, f"{stage}-mismatch", stage, base, got, names, scales, against="unfused")
+
+    def build_run_compare(stage: str, make_mod: Callable[[], Any]) -> None:
+        """What `compile` builds: ``make_mod()`` (made under the target) through
+        layerfuse_pipeline (in-place concat, split-output buffers after FuseTIR), run, compared."""
+        from ..lowering import layerfuse_pipeline
+        from ..relax._ir import tvm_compile
+        from ..relax.pipeline import run
+
+        try:
+            with tgt:
+                ex = tvm_compile(make_mod(), target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
+            got = run(ex, inputs)
+        except Exception as e:
+            result.findings.append(Finding(f"{stage}-crash", _error_line(e) + _where(e)))
+        else:
+            compare(stage, got)
+        lap(stage)
 
     fused_mod = None
     if "fused" in stages or "lowered" in stages or "tactics" in stages:
@@ -385,52 +392,19 @@ def check_case(
             result.findings.append(Finding("fused-crash", _error_line(e) + _where(e)))
         else:
             if got is not None:
-                ok = _compare(result, "fused-mismatch", "fused", ref, got, names, scales)
-                if ok and base is not None:
-                    _compare(result, "fused-mismatch", "fused", base, got, names, scales, against="unfused")
+                compare("fused", got)
         lap("fused")
 
     if "lowered" in stages and fused_mod is not None:
-        # What `compile` builds: the fused module through layerfuse_pipeline (in-place concat,
-        # split-output buffers after FuseTIR).
-
-        from ..lowering import layerfuse_pipeline
-        from ..relax._ir import tvm_compile
-        from ..relax.pipeline import run
-
-        try:
-            with tgt:
-                ex = tvm_compile(fused_mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
-            got = run(ex, inputs)
-        except Exception as e:
-            result.findings.append(Finding("lowered-crash", _error_line(e) + _where(e)))
-        else:
-            ok = _compare(result, "lowered-mismatch", "lowered", ref, got, names, scales)
-            if ok and base is not None:
-                _compare(result, "lowered-mismatch", "lowered", base, got, names, scales, against="unfused")
-        lap("lowered")
+        build_run_compare("lowered", lambda: fused_mod)
 
     if "tactics" in stages and fused_mod is not None:
         from ..compile.tactics import onednn
 
         if onednn.availability() is None:  # the tactic choice: what `compile` builds with oneDNN
             from ..compile.tactics.use_onednn import UseOneDNNConv
-            from ..lowering import layerfuse_pipeline
-            from ..relax._ir import tvm_compile
-            from ..relax.pipeline import run
 
-            try:
-                with tgt:
-                    mod = UseOneDNNConv(winograd="always")(fused_mod)
-                    ex = tvm_compile(mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))  # as `compile` builds
-                got = run(ex, inputs)
-            except Exception as e:
-                result.findings.append(Finding("tactics-crash", _error_line(e) + _where(e)))
-            else:
-                ok = _compare(result, "tactics-mismatch", "tactics", ref, got, names, scales)
-                if ok and base is not None:
-                    _compare(result, "tactics-mismatch", "tactics", base, got, names, scales, against="unfused")
-            lap("tactics")
+            build_run_compare("tactics", lambda: UseOneDNNConv(winograd="always")(fused_mod))
     return result
 
 

@@ -319,18 +319,13 @@ def mobilenet_v3_small_like(
                 j += 1
                 if se:
                     with b.scope(j):
-                        squeeze = make_divisible(exp // 4, 8)
-                        with b.scope("avgpool"):
-                            s_ = b.global_avgpool(y)
-                        with b.scope("fc1"):
-                            s_ = b.conv(s_, squeeze, 1)
-                        with b.scope("relu"):
-                            s_ = b.relu(s_)
-                        with b.scope("fc2"):
-                            s_ = b.conv(s_, exp, 1)
-                        with b.scope("scale_activation"):
-                            s_ = hardsigmoid(b, s_)
-                        y = b.mul(s_, y)
+                        y = b.squeeze_excitation(
+                            y,
+                            make_divisible(exp // 4, 8),
+                            activation=b.relu,
+                            scale_activation=lambda s: hardsigmoid(b, s),
+                            activation_scope="relu",
+                        )
                     j += 1
                 y = cna(y, j, cout, 1, activation=None)
             if stride == 1 and cin == cout:

@@ -47,7 +47,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 import onnx
 
-from ._builder import NetBuilder, check_options, pool_out, random_inputs
+from ..vta.host import pool_out
+from ._builder import NetBuilder, check_options, random_inputs
 
 __all__ = ["BLOCKS", "CNNCase", "GraphOptions", "cnn_graphs", "generate", "random_cnn", "random_cnn_case"]
 

@@ -38,6 +38,7 @@ from onnx import helper, numpy_helper
 
 from ..topology.materialize import materialize_constants
 from ..topology.onnx_reader import read_onnx
+from ..topology.reference import session
 
 LIVE_MIN_CHANGE = 0.01
 """Two different inputs must move every output by more than this fraction of its magnitude."""
@@ -99,8 +100,6 @@ def _elem_type(v: np.ndarray) -> int:
 
 def _run_node(model: onnx.ModelProto, node: onnx.NodeProto, values: dict[str, np.ndarray], inits: dict) -> list:
     """``node``'s outputs on ``values`` (onnxruntime, optimisations off)."""
-    import onnxruntime as ort  # a test dependency, imported on use
-
     ins = [i for i in dict.fromkeys(node.input) if i]
     graph_inits = [inits[i] for i in ins if i in inits]
     graph_inputs = [
@@ -110,11 +109,7 @@ def _run_node(model: onnx.ModelProto, node: onnx.NodeProto, values: dict[str, np
     g = helper.make_graph([node], "one_node", graph_inputs, outs, graph_inits)
     m = helper.make_model(g, opset_imports=model.opset_import)
     m.ir_version = max(model.ir_version, 4)  # initializers need not be graph inputs
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, {i.name: values[i.name] for i in graph_inputs})
+    return session(m).run(None, {i.name: values[i.name] for i in graph_inputs})
 
 
 def calibration_feeds(model: onnx.ModelProto, *, seed: int) -> dict[str, np.ndarray]:

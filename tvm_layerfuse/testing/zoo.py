@@ -288,6 +288,62 @@ def _resnet_stem(b: NetBuilder, x: str, width: float) -> str:
             return b.maxpool(x, 3, 2, 1)
 
 
+def _bottleneck(b: NetBuilder, x: str, planes: int, stride: int) -> str:
+    """Bottleneck's main path (v1.5: the stride on conv2), ``planes * 4`` channels out."""
+    y = b.conv_bn(x, planes, 1, conv_scope="conv1", bn_scope="bn1")
+    with b.scope("relu"):
+        y = b.relu(y)
+    y = b.conv_bn(y, planes, 3, stride=stride, pad=1, conv_scope="conv2", bn_scope="bn2")
+    with b.scope("relu_1"):
+        y = b.relu(y)
+    return b.conv_bn(y, planes * 4, 1, conv_scope="conv3", bn_scope="bn3")
+
+
+def _basic_block(b: NetBuilder, x: str, planes: int, stride: int) -> str:
+    """BasicBlock's main path, ``planes`` channels out."""
+    y = b.conv_bn(x, planes, 3, stride=stride, pad=1, conv_scope="conv1", bn_scope="bn1")
+    with b.scope("relu"):
+        y = b.relu(y)
+    return b.conv_bn(y, planes, 3, pad=1, conv_scope="conv2", bn_scope="bn2")
+
+
+def _resnet(
+    name: str,
+    block: Callable[[NetBuilder, str, int, int], str],
+    *,
+    last_relu: str,
+    layers: Sequence[int],
+    example: str,
+    width: float,
+    num_classes: int,
+    **start,
+) -> onnx.ModelProto:
+    """torchvision's ResNet: stem, four stages of ``layers`` blocks (stride 2 on the first
+    block of stages 2-4), classifier. A block is ``block``'s main path, a projection
+    shortcut (downsample: conv 1x1 with the block's stride -> bn, exported after the main
+    path) when the stride or the width changes, then ``Add(out, identity)`` -> relu
+    (module ``last_relu``, torch's export name of the block's last use of its ReLU)."""
+    if len(layers) != 4 or any(int(n) < 1 for n in layers):
+        raise ValueError(f"layers={tuple(layers)}; expected four positive block counts, e.g. {example}")
+    b, x = _start(name, **start)
+    x = _resnet_stem(b, x, width)
+    for stage, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
+        for i in range(int(n)):
+            stride = 2 if (stage > 0 and i == 0) else 1
+            with b.scope(f"layer{stage + 1}", i):
+                y = block(b, x, _ch(planes, width), stride)
+                cout = b.shapes[y][1]
+                identity = x
+                if stride != 1 or b.shapes[x][1] != cout:
+                    with b.scope("downsample"):
+                        identity = b.conv_bn(x, cout, 1, stride=stride, conv_scope="0", bn_scope="1")
+                y = b.add(y, identity)
+                with b.scope(last_relu):
+                    x = b.relu(y)
+    out = b.classifier(x, num_classes)
+    return b.build({"output": out}, doc=f"{name} layers={tuple(layers)} width={width}")
+
+
 def resnet50(
     *,
     batch: int = 1,
@@ -307,31 +363,8 @@ def resnet50(
     the first block of each stage has a projection shortcut (downsample: conv 1x1 with the
     block's stride -> bn), exported after conv3; then ``Add(out, identity)`` -> relu.
     """
-    if len(layers) != 4 or any(int(n) < 1 for n in layers):
-        raise ValueError(f"layers={tuple(layers)}; expected four positive block counts, e.g. (3, 4, 6, 3)")
-    b, x = _start("resnet50", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks)
-    x = _resnet_stem(b, x, width)
-    for stage, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
-        planes = _ch(planes, width)
-        for i in range(int(n)):
-            stride = 2 if (stage > 0 and i == 0) else 1
-            with b.scope(f"layer{stage + 1}", i):
-                identity = x
-                y = b.conv_bn(x, planes, 1, conv_scope="conv1", bn_scope="bn1")
-                with b.scope("relu"):
-                    y = b.relu(y)
-                y = b.conv_bn(y, planes, 3, stride=stride, pad=1, conv_scope="conv2", bn_scope="bn2")
-                with b.scope("relu_1"):
-                    y = b.relu(y)
-                y = b.conv_bn(y, planes * 4, 1, conv_scope="conv3", bn_scope="bn3")
-                if i == 0:  # stride != 1 or inplanes != planes * 4 holds for every first block
-                    with b.scope("downsample"):
-                        identity = b.conv_bn(x, planes * 4, 1, stride=stride, conv_scope="0", bn_scope="1")
-                y = b.add(y, identity)
-                with b.scope("relu_2"):
-                    x = b.relu(y)
-    out = b.classifier(x, num_classes)
-    return b.build({"output": out}, doc=f"resnet50 layers={tuple(layers)} width={width}")
+    options = dict(batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks, width=width, num_classes=num_classes)
+    return _resnet("resnet50", _bottleneck, last_relu="relu_2", layers=layers, example="(3, 4, 6, 3)", **options)
 
 
 def resnet18(
@@ -352,30 +385,8 @@ def resnet18(
     bn2; a block that changes stride or width has a projection shortcut (downsample: conv
     1x1 with the block's stride -> bn), exported after conv2; then ``Add(out, identity)`` -> relu.
     """
-    if len(layers) != 4 or any(int(n) < 1 for n in layers):
-        raise ValueError(f"layers={tuple(layers)}; expected four positive block counts, e.g. (2, 2, 2, 2)")
-    b, x = _start("resnet18", batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks)
-    x = _resnet_stem(b, x, width)
-    inplanes = _ch(64, width)
-    for stage, (planes, n) in enumerate(zip((64, 128, 256, 512), layers)):
-        planes = _ch(planes, width)
-        for i in range(int(n)):
-            stride = 2 if (stage > 0 and i == 0) else 1
-            with b.scope(f"layer{stage + 1}", i):
-                identity = x
-                y = b.conv_bn(x, planes, 3, stride=stride, pad=1, conv_scope="conv1", bn_scope="bn1")
-                with b.scope("relu"):
-                    y = b.relu(y)
-                y = b.conv_bn(y, planes, 3, pad=1, conv_scope="conv2", bn_scope="bn2")
-                if stride != 1 or inplanes != planes:
-                    with b.scope("downsample"):
-                        identity = b.conv_bn(x, planes, 1, stride=stride, conv_scope="0", bn_scope="1")
-                y = b.add(y, identity)
-                with b.scope("relu_1"):
-                    x = b.relu(y)
-            inplanes = planes
-    out = b.classifier(x, num_classes)
-    return b.build({"output": out}, doc=f"resnet18 layers={tuple(layers)} width={width}")
+    options = dict(batch=batch, image=image, seed=seed, opset=opset, bn=bn, quirks=quirks, width=width, num_classes=num_classes)
+    return _resnet("resnet18", _basic_block, last_relu="relu_1", layers=layers, example="(2, 2, 2, 2)", **options)
 
 
 # ---------------------------------------------------------------------- DenseNet-121
@@ -688,19 +699,8 @@ def efficientnet_like(
                         j += 1
                     y = cna(y, j, expanded, k, stride=stride, groups=expanded)
                     j += 1
-                    with b.scope(j):  # SqueezeExcitation
-                        squeeze = max(1, cin // 4)
-                        with b.scope("avgpool"):
-                            s_ = b.global_avgpool(y)
-                        with b.scope("fc1"):
-                            s_ = b.conv(s_, squeeze, 1)
-                        with b.scope("activation"):
-                            s_ = b.silu(s_)
-                        with b.scope("fc2"):
-                            s_ = b.conv(s_, expanded, 1)
-                        with b.scope("scale_activation"):
-                            s_ = b.sigmoid(s_)
-                        y = b.mul(s_, y)
+                    with b.scope(j):
+                        y = b.squeeze_excitation(y, max(1, cin // 4), activation=b.silu, scale_activation=b.sigmoid)
                     j += 1
                     with b.scope(j):
                         y = b.conv_bn(y, cout, 1, conv_scope=0, bn_scope=1, eps=eps)

@@ -38,20 +38,23 @@ def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, *, strides: Seque
     return y
 
 
+def pool_out(size: int, k: int, stride: int, pad_begin: int, pad_end: int, ceil: bool) -> int:
+    """Output length of a pooling along one axis, with torch's ceil-mode rule (the last
+    window must start inside the input or the left padding)."""
+    span = size + pad_begin + pad_end - k
+    out = (-(-span // stride) if ceil else span // stride) + 1
+    if ceil and (out - 1) * stride >= size + pad_begin:
+        out -= 1
+    return out
+
+
 def pool2d(x: np.ndarray, *, op: str, kernel_shape, strides=None, pads=None, ceil_mode=0, count_include_pad=0, **_) -> np.ndarray:
+    """ONNX MaxPool / AveragePool (NCHW, pads ``(top, left, bottom, right)``) in ``x``'s dtype."""
     n, c, h, w = x.shape
     kh, kw = kernel_shape
     sh, sw = strides or (1, 1)
     pt, pl, pb, pr = pads or (0, 0, 0, 0)
-
-    def out(size, k, s, p0, p1):
-        span = size + p0 + p1 - k
-        o = (-(-span // s) if ceil_mode else span // s) + 1
-        if ceil_mode and (o - 1) * s >= size + p0:  # the last window must start inside the input or left pad
-            o -= 1
-        return o
-
-    oh, ow = out(h, kh, sh, pt, pb), out(w, kw, sw, pl, pr)
+    oh, ow = pool_out(h, kh, sh, pt, pb, bool(ceil_mode)), pool_out(w, kw, sw, pl, pr, bool(ceil_mode))
     xb = max(0, (oh - 1) * sh + kh - (h + pt + pb))
     xr = max(0, (ow - 1) * sw + kw - (w + pl + pr))
     fill = -np.inf if op == "MaxPool" else 0.0

@@ -95,12 +95,9 @@ def _check_samples(graph: VTAGraph, samples: Sequence[Mapping[str, np.ndarray]])
 
 def accuracy(b: VTABuild, onnx_model, inputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, float]:
     """int8 (simulator) vs fp32 (onnxruntime, optimisations off) on ``inputs``."""
-    import onnxruntime as ort
+    from ..topology.reference import session
 
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    data = onnx_model.SerializeToString() if hasattr(onnx_model, "SerializeToString") else str(onnx_model)
-    sess = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+    sess = session(onnx_model)
     out = b.graph.outputs[0]
     agree, rel = 0, 0.0
     for feeds in inputs:
