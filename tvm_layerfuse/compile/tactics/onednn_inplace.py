@@ -39,7 +39,7 @@ from tvm import relax
 
 from ...relax._ir import dtype_of, is_primitive, op_name, relax_functions, static_shape
 from . import onednn
-from .onednn_layout import bindings_of, onednn_call, use_counts
+from .onednn_layout import ReplaceCalls, bindings_of, onednn_call, use_counts
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,7 @@ def residuals_in_place(mod: tvm.IRModule, choices: list) -> tvm.IRModule:
             rewrites[gv] = chosen
     mod = builder.get()
     for gv, chosen in rewrites.items():
-        mod[gv] = _ResidualInPlace(chosen).visit_expr(mod[gv])
+        mod[gv] = ReplaceCalls(chosen, _call_inplace).visit_expr(mod[gv])
     n = sum(c == "in-place" for _, c in choices)
     if choices:
         log.info("residual in place for %d of %d conv+add layers", n, len(choices))
@@ -406,15 +406,6 @@ def _inplace_wrapper(shapes: tuple, attrs: tuple):
     return tvm.script.from_source(source)
 
 
-@relax.expr_functor.mutator
-class _ResidualInPlace(relax.PyExprMutator):
-    def __init__(self, chosen: dict) -> None:
-        super().__init__()
-        self.chosen = chosen
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        new = self.chosen.get(call)
-        if new is None:
-            return super().visit_call_(call)
-        gv, args, out = new
-        return relax.op.call_tir_inplace(gv, relax.Tuple([self.visit_expr(a) for a in args]), inplace_indices=[3], out_ty=out)
+def _call_inplace(gv, args: list, out) -> relax.Expr:
+    """``call_tir_inplace`` of a residual wrapper: the result is its argument 3, r."""
+    return relax.op.call_tir_inplace(gv, relax.Tuple(args), inplace_indices=[3], out_ty=out)

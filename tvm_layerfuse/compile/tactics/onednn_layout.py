@@ -99,7 +99,7 @@ def merge_splits(func: relax.Function) -> relax.Function:
         if int(args[-1].values[8]) != 1 or static_shape(x) is None or len(static_shape(x)) != 4:
             continue  # grouped convs keep the split
         chosen[v] = (name, args, list(b.var.ty.fields))
-    return _Replace(chosen).visit_expr(func) if chosen else func
+    return ReplaceCalls(chosen).visit_expr(func) if chosen else func
 
 
 def _pool_attrs(value, x_shape, y_shape) -> Optional[list[int]]:
@@ -185,23 +185,25 @@ def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
         chosen[v] = (onednn.POOL, [v.args[0], relax.ShapeExpr(attrs)], relax.TensorType(list(y_shape), "float32"))
         made.add(b.var)
         layers.append(LayerChoice(f"pool:{b.var.name}", "onednn", kernel=kernel, shape=f"x{list(x_shape)} out{list(y_shape)}"))
-    return _Replace(chosen).visit_expr(func) if chosen else func
+    return ReplaceCalls(chosen).visit_expr(func) if chosen else func
 
 
 @relax.expr_functor.mutator
-class _Replace(relax.PyExprMutator):
-    """Replace chosen calls (by identity) with ``call_dps_packed(name, args, out)``, args visited."""
+class ReplaceCalls(relax.PyExprMutator):
+    """Replace chosen calls (by identity): ``chosen[call] = (callee, args, out)`` becomes
+    ``build(callee, args visited, out)``, by default ``call_dps_packed(name, args, out)``."""
 
-    def __init__(self, chosen: dict) -> None:
+    def __init__(self, chosen: dict, build=relax.call_dps_packed) -> None:
         super().__init__()
         self.chosen = chosen
+        self.build = build
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new = self.chosen.get(call)
         if new is None:
             return super().visit_call_(call)
-        name, args, out = new
-        return relax.call_dps_packed(name, [self.visit_expr(a) for a in args], out)
+        callee, args, out = new
+        return self.build(callee, [self.visit_expr(a) for a in args], out)
 
 
 class _Classes:
@@ -444,7 +446,7 @@ def dense_layers(func: relax.Function, layers: list) -> relax.Function:
                 plan = _dense(b.value, b.var, relax.const(np.zeros([shape[1]], "float32")), layers)
                 if plan is not None:
                     chosen[b.value] = plan
-    return _Replace(chosen).visit_expr(func) if chosen else func
+    return ReplaceCalls(chosen).visit_expr(func) if chosen else func
 
 
 def _dense(mm: relax.Call, out, bias, layers: list) -> Optional[tuple]:
