@@ -7,6 +7,9 @@ For each seed ``S`` in ``[seed, seed + graphs)`` the graph ``random_cnn(S, max_l
 with inputs ``random_inputs(model, S)`` goes through
 :func:`tvm_layerfuse.testing.differential.check_case`:
 
+``--stages`` chooses the checks (default all but ``tactics``; ``--stages unfused,tactics`` checks
+the oneDNN tactic choice, Winograd on every layer oneDNN has it for, against onnxruntime):
+
 * plan invariants (every original layer in exactly one second-graph layer, outputs kept,
   no in-place overwrite of a tensor read later or living in a concat block);
 * the plan realised as ONNX (``onnx_realize.realize``) vs onnxruntime;
@@ -64,7 +67,7 @@ def _worker(tasks, results, options) -> None:
         t = time.perf_counter()
         try:
             model, feeds = random_cnn_case(seed, **options["graph"])
-            res = check_case(model, feeds)
+            res = check_case(model, feeds, stages=options["stages"])
             record = {
                 "seed": seed,
                 "kinds": res.kinds,
@@ -94,7 +97,7 @@ def _save(model, feeds, res, seed, options, reduce_case, same_kind) -> list[str]
         onnx.save(model, str(d / "original.onnx"))
         np.savez(d / "original_feeds.npz", **feeds)
         t = time.perf_counter()
-        reduced, rfeeds, calls = reduce_case(model, feeds, same_kind(kind), budget_s=options["reduce_budget"])
+        reduced, rfeeds, calls = reduce_case(model, feeds, same_kind(kind, stages=options["stages"]), budget_s=options["reduce_budget"])
         onnx.save(reduced, str(d / "reduced.onnx"))
         np.savez(d / "reduced_feeds.npz", **rfeeds)
         info = {
@@ -106,8 +109,9 @@ def _save(model, feeds, res, seed, options, reduce_case, same_kind) -> list[str]
             "nodes_reduced": len(reduced.graph.node),
             "reduction": {"predicate_calls": calls, "seconds": round(time.perf_counter() - t, 1)},
             "reproduce": f"python scripts/fuzz.py --graphs 1 --seed {seed} --max-layers {options['graph']['max_layers']}"
-            + (f" --blocks {','.join(options['graph']['blocks'])}" if "blocks" in options["graph"] else ""),
-            "replay": f"python scripts/fuzz.py --replay {d / 'reduced.onnx'}",
+            + (f" --blocks {','.join(options['graph']['blocks'])}" if "blocks" in options["graph"] else "")
+            + f" --stages {','.join(options['stages'])}",
+            "replay": f"python scripts/fuzz.py --replay {d / 'reduced.onnx'} --stages {','.join(options['stages'])}",
         }
         (d / "finding.json").write_text(json.dumps(info, indent=1) + "\n")
         saved.append(str(d))
@@ -227,7 +231,7 @@ def fuzz(args) -> int:
     graph = {"max_layers": args.max_layers}
     if args.blocks:
         graph["blocks"] = tuple(args.blocks.split(","))
-    options = {"graph": graph, "keep": args.keep_failures, "reduce_budget": args.reduce_budget}
+    options = {"graph": graph, "keep": args.keep_failures, "reduce_budget": args.reduce_budget, "stages": args.stages}
     seeds = list(range(args.seed, args.seed + args.graphs))
     pending = collections.deque(seeds)
     records: list[dict] = []
@@ -294,7 +298,7 @@ def _summary(args, records, by_kind, elapsed) -> None:
         print(f"reproducers in {args.keep_failures}/seed<S>-<kind>/ (original.onnx, reduced.onnx, finding.json)")
 
 
-def replay(path: Path) -> int:
+def replay(path: Path, stages: tuple) -> int:
     import numpy as np
     import onnx
 
@@ -304,7 +308,7 @@ def replay(path: Path) -> int:
     feeds_path = path.with_name(path.stem + "_feeds.npz")
     with np.load(feeds_path, allow_pickle=False) as data:
         feeds = {k: data[k] for k in data.files}
-    res = check_case(model, feeds)
+    res = check_case(model, feeds, stages=stages)
     for f in res.findings:
         print(f"{f.kind}: {f.detail}")
     print(f"errors: {res.errors}; refused: {res.refused}")
@@ -323,9 +327,20 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per graph (reduction included) before it counts as stuck")
     ap.add_argument("--log", metavar="FILE.jsonl", help="append one JSON record per graph")
     ap.add_argument("--replay", metavar="MODEL.onnx", help="re-check a saved reproducer (its _feeds.npz beside it)")
+    ap.add_argument(
+        "--stages",
+        default="plan,realize,unfused,fused,lowered",
+        help="comma-separated stages to check (differential.ALL_STAGES; add 'tactics' for the oneDNN tactic)",
+    )
     args = ap.parse_args(argv)
+    from tvm_layerfuse.testing.differential import ALL_STAGES
+
+    unknown = [x for x in args.stages.split(",") if x not in ALL_STAGES]
+    if unknown:
+        ap.error(f"--stages {args.stages}: unknown {unknown}; expected some of {','.join(ALL_STAGES)}")
+    args.stages = tuple(args.stages.split(","))
     if args.replay:
-        return replay(Path(args.replay))
+        return replay(Path(args.replay), args.stages)
     if args.graphs < 1 or args.jobs < 1:
         ap.error("--graphs and --jobs must be >= 1")
     if args.blocks:

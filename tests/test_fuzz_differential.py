@@ -289,3 +289,27 @@ def test_bug3_integer_initializer_used_as_a_shape_imports():
     res = check_case(model, {"x": rng.standard_normal((1, 3, 1, 4)).astype(np.float32)})
     assert_agrees(res)
     assert res.plan_counts["vertical"] == 1  # conv + relu still fuse
+
+
+def test_fuzz_script_checks_the_stages_it_is_asked_for():
+    """``scripts/fuzz.py --stages``: the tactic stage (oneDNN, Winograd on every layer it has)
+    is checked when asked for; an unknown stage is refused in one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tvm_layerfuse.compile.tactics import onednn
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py"
+    bad = subprocess.run([sys.executable, str(script), "--stages", "unfused,bogus"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--stages unfused,bogus: unknown ['bogus']" in bad.stderr
+    if onednn.availability() is not None:
+        pytest.skip(f"oneDNN is not installed here: {onednn.availability()}")
+    run = subprocess.run(
+        [sys.executable, str(script), "--graphs", "2", "--jobs", "1", "--stages", "unfused,tactics"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "graphs with disagreements: 0" in run.stdout and "tactics " in run.stdout, run.stdout
