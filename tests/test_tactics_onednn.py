@@ -117,6 +117,33 @@ def test_compile_records_the_winograd_mode_and_every_choice(tmp_path, capsys):
 
 
 @needs_onednn
+@pytest.mark.parametrize("op", ["Add", "Mul"])
+def test_a_conv_result_combined_with_itself_stays_correct(op):
+    """conv + conv and conv * conv (found by the fuzzer: the epilogue parser had no other
+    operand to look at): oneDNN gets the conv, the element-wise op stays with TVM."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(11)
+    w = numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) * 0.2).astype("float32"), "w")
+    b = numpy_helper.from_array((rng.standard_normal(16) * 0.1).astype("float32"), "b")
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node(op, ["c", "c"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])],
+        [w, b],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    err, layers = _run_with_tactic(model)
+    assert err <= RTOL
+    assert any(c.tactic == "onednn" for c in layers) or any("twice" in c.reason for c in layers), layers
+
+
+@needs_onednn
 def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length():
     direct = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
     times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct[:14] + [1], residual=False)

@@ -287,6 +287,8 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
         if ep is None or not isinstance(v, relax.Call) or not any(a.same_as(chain) for a in v.args):
             raise Refused(f"the group computes {op or type(v).__name__} outside the conv chain")
         others = [a for a in v.args if not a.same_as(chain)]
+        if not others and op in ("relax.add", "relax.multiply"):  # conv + conv, conv * conv
+            raise Refused(f"the group's {op.split('.')[-1]} reads the conv's result twice")
         if op == "relax.add" and ep.bias is None and ep.residual is None and ep.act is None and _is_bias(others[0], ep):
             ep.bias = arg_of.get(others[0], others[0])
         elif op == "relax.add" and ep.residual is None and ep.act is None:
