@@ -209,3 +209,26 @@ def compile_and_compare(model: onnx.ModelProto, *, seed: int = 1):
     absorbed = sum(1 for g in prologues if g.get("absorbs"))
     assert len(ours) == len(result.report["groups"]) - absorbed + len(prologues), (kernels.names, result.report["groups"])
     return result, kernels, kernel_count(plain_ex)
+
+
+def run_runtime_only(artifact, feeds: dict[str, np.ndarray], tmp_path) -> dict[str, np.ndarray]:
+    """The artifact's outputs for ``feeds``, computed in a fresh process with the TVM runtime
+    only (``TVM_USE_RUNTIME_LIB=1``); that process also checks that no ``tvm.relax`` was loaded."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    np.savez(tmp_path / "x.npz", **feeds)
+    script = (
+        "import sys, numpy as np\n"
+        "from tvm_layerfuse.runtime import load\n"
+        f"y = load({str(artifact)!r}).run(dict(np.load({str(tmp_path / 'x.npz')!r})))\n"
+        f"np.savez({str(tmp_path / 'y.npz')!r}, **y)\n"
+        "assert 'tvm.relax' not in sys.modules\n"
+    )
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with np.load(tmp_path / "y.npz") as y:
+        return {k: y[k] for k in y.files}
