@@ -88,7 +88,10 @@ def compile_model(
             mod, weights = lift_weights(mod, params)
             mod = safe_param_names(mod)
         with step("build"):
-            ex = build_for(mod, spec, fuse=fuse)
+            from .schedules import ScheduleReport
+
+            schedules = ScheduleReport()
+            ex = build_for(mod, spec, fuse=fuse, schedules=schedules)
             kernels = _kernel_count(ex)
         with step("write"), tempfile.TemporaryDirectory(prefix="tvm_layerfuse_export_") as private:
             names = [pv.name for pv in mod["main"].params][len(p.first.inputs) :]
@@ -107,6 +110,7 @@ def compile_model(
                 savez(tmp / artifact.PARAMS, dict(zip(names, weights)))
                 manifest = _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
                 manifest["tactics"] = tactic_plan.manifest()
+                manifest["schedules"] = schedules.to_dict() if spec.device == "cpu" else None
                 from .tune_database import applied_database, summary
 
                 manifest["tuning"] = summary(applied_database(spec.target, spec.host, fuse=fuse))  # None: untuned
@@ -184,13 +188,14 @@ def _rename_params(func):
     return relax.Function(new, bound.body, bound.ret_ty, bound.is_pure, func.attrs)
 
 
-def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
+def build_for(mod, spec: TargetSpec, *, fuse: bool = True, schedules=None):
     """tvm.compile for the preset with TVM's default Relax pipeline (the one that runs
     FuseOps/FuseTIR; GPU targets also get dlight schedules) - plus, when fusing, the lowering
-    passes (in-place concat, split-output buffers) after FuseTIR. CUDA kernels go through nvcc."""
-    from tvm import relax
-
+    passes (in-place concat, split-output buffers) after FuseTIR; CPU kernels get the schedule
+    rules of :mod:`.schedules` either way (``schedules``, a :class:`.schedules.ScheduleReport`,
+    receives which rule scheduled each kernel). CUDA kernels go through nvcc."""
     from ..lowering import layerfuse_pipeline
+    from ..lowering.pipeline import default_passes
     from ..relax._ir import tvm_compile
 
     tgt = spec.tvm_target()
@@ -207,8 +212,11 @@ def build_for(mod, spec: TargetSpec, *, fuse: bool = True):
             db = str(db) if db is not None else None
             if db is not None:
                 log.info("applying the tuning database %s", db)
-            pipeline = layerfuse_pipeline(tgt, database=db) if fuse else relax.get_default_pipeline(tgt)
-            return tvm_compile(mod, target=tgt, relax_pipeline=pipeline)  # works around an LLVM crash
+            pipeline = layerfuse_pipeline(tgt, database=db) if fuse else default_passes(tgt, schedules=True)
+            ex = tvm_compile(mod, target=tgt, relax_pipeline=pipeline)  # works around an LLVM crash
+            if schedules is not None and pipeline.schedule_report is not None:
+                schedules.update(pipeline.schedule_report)
+            return ex
     except BuildError:
         raise
     except Exception as e:

@@ -8,6 +8,8 @@
       -> InlinePrologue                BatchNorm+Relu prologues computed inside the conv (inline_prologue.py)
       -> SplitOutputBuffers            producers write their split pieces (split_outputs.py)
       -> InPlaceConcat                 producers write into the concat block (inplace_concat.py)
+      [MetaScheduleApplyDatabase]      a `tune` database, where one exists
+      -> LayerfuseSchedules            CPU: a schedule rule for every other kernel (compile/schedules/)
       [dlight default GPU schedules]   CUDA / ROCm / Metal: still applied, to the new kernels too
       RewriteDataflowReshape ... CallTIRRewrite
       StaticPlanBlockMemory ...        plans the concat block like any tensor
@@ -140,7 +142,9 @@ class LayerfusePipeline:
     (nested concats share one block), ``prologue`` (inline BatchNorm+Relu prologue groups
     into their conv, :class:`.inline_prologue.InlinePrologue`), ``database`` (a MetaSchedule
     database folder written by ``tune``: its schedules are applied right after the lowering
-    passes), ``stop_after`` (``"StaticPlanBlockMemory"`` ends the
+    passes), ``schedules`` (CPU targets: the schedule rules of :mod:`..compile.schedules` for
+    every kernel the database does not cover, ``schedule_report`` says which rule scheduled
+    each), ``stop_after`` (``"StaticPlanBlockMemory"`` ends the
     pipeline right after memory planning, for :func:`concat_report`; None runs it all). With
     the three passes off this is TVM's default pipeline. ``split_report`` and ``inplace_report``
     describe the last run; ``notes`` says what was left out for this target and why.
@@ -163,6 +167,7 @@ class LayerfusePipeline:
         prologue: bool = True,
         stop_after: Optional[str] = None,
         database: Optional[str] = None,
+        schedules: bool = True,
     ) -> None:
         self.target = as_target(target)
         self.database = database  # a MetaSchedule database folder, applied after the lowering passes
@@ -185,6 +190,11 @@ class LayerfusePipeline:
         self._concat = InPlaceConcat(nested=nested) if inplace_concat else None
         self._prologue = InlinePrologue() if prologue else None
         self.stop_after = stop_after
+        self._schedules = None
+        if schedules and not gpu:  # CPU schedule rules for every kernel not tuned (compile/schedules/)
+            from ..compile.schedules import ApplySchedules
+
+            self._schedules = ApplySchedules(self.target)
         _stages(self.target)  # fail now, not inside tvm.compile, for an unsupported target
 
     @property
@@ -195,11 +205,18 @@ class LayerfusePipeline:
     def inplace_report(self) -> InPlaceReport:
         return self._concat.report if self._concat is not None else InPlaceReport()
 
+    @property
+    def schedule_report(self):
+        """The rule that scheduled each kernel (:class:`..compile.schedules.ScheduleReport`), or None."""
+        return self._schedules.report if self._schedules is not None else None
+
     def passes(self) -> list:
         dispatch, legalize, lower, finalize = _stages(self.target)
         ours = [p for p in (self._prologue, self._split, self._concat) if p is not None]
         if self.database is not None:  # tuned schedules for the kernels as the lowering left them
             ours.append(relax.transform.MetaScheduleApplyDatabase(self.database))
+        if self._schedules is not None:  # after the database: a tuned kernel keeps its schedule
+            ours.append(self._schedules)
         seq = dispatch + _insert_after_fuse_tir(legalize, ours) + lower + finalize
         if self.stop_after is not None:
             names = [p.info.name for p in seq]
@@ -225,7 +242,9 @@ def layerfuse_pipeline(target, **options) -> tvm.transform.Pass:
 
 
 def default_passes(target, **options) -> tvm.transform.Pass:
-    """TVM's default pipeline, built the same way (the baseline of :func:`concat_report`)."""
+    """TVM's default pipeline, built the same way (the baseline of :func:`concat_report`);
+    ``schedules=True`` adds the CPU schedule rules."""
+    options.setdefault("schedules", False)
     return LayerfusePipeline(target, split_outputs=False, inplace_concat=False, prologue=False, **options)
 
 
