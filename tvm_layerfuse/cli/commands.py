@@ -157,7 +157,8 @@ def _inspect_artifact(path: Path, args: argparse.Namespace) -> int:
     manifest = read_manifest(path)
     target, tactics = manifest["target"], manifest.get("tactics")
     if args.json:
-        json.dump({"target": target, "tactics": tactics, "tuning": manifest.get("tuning")}, sys.stdout, indent=1)
+        out = {"target": target, "tactics": tactics, "tuning": manifest.get("tuning"), "schedules": manifest.get("schedules")}
+        json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
     tvm_target = target.get("tvm_target") or {}
@@ -170,6 +171,9 @@ def _inspect_artifact(path: Path, args: argparse.Namespace) -> int:
         if tuning
         else "tuning: none (TVM's kernels as scheduled by default; `tune` writes a database that compile applies)\n"
     )
+    from ..compile.schedules.report import format_schedules
+
+    sys.stdout.write(format_schedules(manifest.get("schedules")) + "\n")
     return 0
 
 

@@ -128,8 +128,8 @@ def loops_per_iter(sch: s_tir.Schedule, block) -> list:
 def vector_factor(extent: int, lanes: int, vectors: int = 1) -> int:
     """Elements per vectorised loop for an axis of ``extent``: a multiple of ``lanes`` up to
     ``lanes * vectors`` that divides it, else the whole axis when it is short (at most two such
-    widths: LLVM splits it into vector and remainder), else a divisor of at least half a vector,
-    else ``lanes * vectors`` with a predicated tail."""
+    widths: LLVM splits it into vectors and a remainder), else a divisor between half a vector
+    and two such widths, else ``lanes * vectors`` with a predicated tail."""
     cap = lanes * vectors
     if extent <= cap:
         return extent
@@ -138,7 +138,7 @@ def vector_factor(extent: int, lanes: int, vectors: int = 1) -> int:
             return f
     if extent <= 2 * cap:
         return extent
-    for f in range(cap, max(lanes // 2, 2) - 1, -1):
+    for f in range(2 * cap, max(lanes // 2, 2) - 1, -1):
         if extent % f == 0:
             return f
     return cap

@@ -1,0 +1,245 @@
+"""The CPU schedule rules (``tvm_layerfuse/compile/schedules``): every kernel of an artifact
+is scheduled, the scheduled convs agree with onnxruntime on every conv kind the zoo uses,
+and the emitted code is parallel and vectorised (x86: FMAs on ymm/zmm; AArch64: ``fmla
+v.4s``), with a MetaSchedule database still taking precedence.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.runtime.artifact import read_manifest
+from tvm_layerfuse.testing._builder import NetBuilder
+from tvm_layerfuse.testing.checks import run_onnxruntime
+
+RTOL = 1e-4  # max |a - b| / max |a| against onnxruntime with optimisations off
+
+# (name, input [C, H, W], out channels, kernel, stride, pad, groups): every conv kind of the zoo,
+# with channel counts and widths that do not fill a vector (7, 13, 5, 37 ...)
+CONVS = [
+    ("pointwise", (16, 14, 14), 24, 1, 1, 0, 1),
+    ("pointwise_odd", (13, 9, 9), 37, 1, 1, 0, 1),
+    ("k3_pad", (16, 12, 12), 32, 3, 1, 1, 1),
+    ("k3_nopad_odd", (7, 11, 11), 5, 3, 1, 0, 1),
+    ("k5_pad", (8, 10, 10), 12, 5, 1, 2, 1),
+    ("k7_stride2", (3, 32, 32), 16, 7, 2, 3, 1),
+    ("k3_stride2", (12, 15, 15), 24, 3, 2, 1, 1),
+    ("depthwise", (24, 14, 14), 24, 3, 1, 1, 24),
+    ("depthwise_stride2_odd", (13, 13, 13), 13, 3, 2, 1, 13),
+    ("grouped", (12, 9, 9), 18, 3, 1, 1, 3),
+    ("one_column", (16, 3, 3), 20, 3, 1, 0, 1),  # a 1x1 output: vectorised over channels
+]
+
+
+def _conv_zoo() -> onnx.ModelProto:
+    """One branch per conv kind (its own input: nothing merges them), each Conv (+ bias) + ReLU;
+    one branch also has the pools and the classifier (dense) after it."""
+    b = NetBuilder("conv_kinds", seed=5)
+    outputs = []
+    for k, (name, (c, h, w), cout, kernel, stride, pad, groups) in enumerate(CONVS):
+        x = b.input(f"x_{name}", (1, c, h, w))
+        y = b.relu(b.conv(x, cout, kernel, stride=stride, pad=pad, groups=groups, bias=k % 3 != 1))
+        outputs.append(y)
+    y = b.maxpool(outputs[2], 3, 2, 1)
+    y = b.avgpool(y, 3, 1, 1, count_include_pad=False)
+    outputs.append(b.linear(b.flatten(b.global_avgpool(y)), 10))
+    return b.build(outputs)
+
+
+def _feeds(model: onnx.ModelProto, seed: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in model.graph.input
+    }
+
+
+@pytest.fixture(scope="module")
+def conv_zoo(tmp_path_factory):
+    d = tmp_path_factory.mktemp("schedules")
+    model = _conv_zoo()
+    onnx.save(model, d / "convs.onnx")
+    return model, d
+
+
+@pytest.fixture(scope="module")
+def x86_artifact(conv_zoo):
+    model, d = conv_zoo
+    return compile_model(d / "convs.onnx", d / "cpu", target="cpu", tactics="tvm", progress=False)
+
+
+def _rel_err(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(np.abs(ref - got).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def _conv_kernels(manifest: dict) -> dict[str, dict]:
+    return {k: v for k, v in manifest["schedules"]["kernels"].items() if "conv2d" in k}
+
+
+def test_scheduled_convs_agree_with_onnxruntime(conv_zoo, x86_artifact):
+    from tvm_layerfuse import runtime
+
+    model, _ = conv_zoo
+    feeds = _feeds(model)
+    got = runtime.load(x86_artifact, device="cpu").run(feeds)
+    refs = run_onnxruntime(model, feeds)
+    names = [o.name for o in model.graph.output]
+    errors = {n: _rel_err(r, got[n]) for n, r in zip(names, refs)}
+    assert max(errors.values()) <= RTOL, errors
+    # a plausible schedule bug (a tile's tail dropped) would leave zeros: the outputs are alive
+    assert all(float(np.abs(r).max()) > 0 for r in refs)
+
+    kernels = _conv_kernels(read_manifest(x86_artifact))
+    assert len(kernels) == len(CONVS)
+    assert {v["rule"] for v in kernels.values()} == {"conv2d"}, kernels  # not a fallback rule
+
+
+def test_artifact_has_no_unscheduled_kernel(x86_artifact):
+    schedules = read_manifest(x86_artifact)["schedules"]
+    assert schedules["unscheduled"] == []
+    rules = {v["rule"] for v in schedules["kernels"].values()}
+    assert None not in rules
+    assert {"conv2d", "dense", "pool/reduction"} <= rules
+    # every kernel bigger than a vector has vector code
+    assert schedules["vectorized"] == schedules["total"], schedules["kernels"]
+    assert schedules["isa"] in ("avx2", "avx512") and schedules["lanes"] in (8, 16)
+
+
+def _objdump(tool: str, library: Path) -> str:
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is missing (binutils)")
+    return subprocess.run([tool, "-d", "-T", str(library)], capture_output=True, text=True, check=True).stdout
+
+
+def test_x86_conv_kernel_is_parallel_and_vectorised(x86_artifact):
+    kernels = _conv_kernels(read_manifest(x86_artifact))
+    assert any(v["parallel"] and v["vectorized"] for v in kernels.values()), kernels
+    text = _objdump("objdump", x86_artifact / "model.so")
+    assert "__TVMBackendParallelLaunch" in text
+    assert re.search(r"vfmadd\d+ps\s+%[yz]mm", text), "no vector FMA on ymm/zmm registers"
+
+
+@pytest.fixture(scope="module")
+def aarch64_artifact(conv_zoo):
+    if shutil.which("aarch64-linux-gnu-gcc") is None:
+        pytest.skip("aarch64-linux-gnu-gcc is missing: run scripts/setup_arm64_board.sh (apt: gcc-aarch64-linux-gnu)")
+    _, d = conv_zoo
+    return compile_model(d / "convs.onnx", d / "aarch64", target="aarch64", progress=False)
+
+
+def test_aarch64_conv_kernel_is_parallel_and_vectorised(aarch64_artifact):
+    schedules = read_manifest(aarch64_artifact)["schedules"]
+    assert schedules["isa"] == "neon" and schedules["lanes"] == 4
+    assert schedules["unscheduled"] == []
+    assert {v["rule"] for v in _conv_kernels(read_manifest(aarch64_artifact)).values()} == {"conv2d"}
+    text = _objdump("aarch64-linux-gnu-objdump", aarch64_artifact / "model.so")
+    assert "__TVMBackendParallelLaunch" in text
+    fmla = len(re.findall(r"\tfmla\s+v\d+\.4s", text))
+    assert fmla >= 20, f"{fmla} vector FMAs (fmla v.4s) in the library"
+
+
+def test_aarch64_schedules_agree_with_onnxruntime_on_the_emulated_board(conv_zoo, aarch64_artifact):
+    from tvm_layerfuse import deploy as rpc
+    from tvm_layerfuse.deploy import board
+
+    try:
+        board.arm64_board()
+    except board.BoardError as e:
+        pytest.skip(f"emulated AArch64 board not set up: {e}")
+    if shutil.which("qemu-aarch64-static") is None:
+        pytest.skip("qemu-aarch64-static is missing: run scripts/setup_arm64_board.sh")
+    model, _ = conv_zoo
+    feeds = _feeds(model, seed=4)
+    with board.start_arm64_board(port=0) as server:
+        result = rpc.deploy(aarch64_artifact, rpc=server.address, inputs=feeds, repeat=1, timeout=300)
+    refs = run_onnxruntime(model, feeds)
+    names = [o.name for o in model.graph.output]
+    errors = {n: _rel_err(r, result.outputs[n]) for n, r in zip(names, refs)}
+    assert max(errors.values()) <= RTOL, errors
+
+
+def test_what_onednn_leaves_to_tvm_is_scheduled(tmp_path):
+    """With the default tactics the kernels oneDNN does not take (a product of two convs, the
+    softmax) are TVM's, and scheduled too; the numbers still match."""
+    from tvm_layerfuse import runtime
+
+    b = NetBuilder("leftovers", seed=7)
+    x = b.input("x", (1, 8, 12, 12))
+    y = b.mul(b.relu(b.conv(x, 16, 3, pad=1)), b.conv(x, 16, 1))
+    y = b.linear(b.flatten(b.global_avgpool(b.maxpool(y, 2, 2))), 10)
+    model = b.build([b.node("Softmax", [y], [(1, 10)], axis=1)[0]])
+    onnx.save(model, tmp_path / "m.onnx")
+    art = compile_model(tmp_path / "m.onnx", tmp_path / "m", target="cpu", progress=False, winograd="never")
+    schedules = read_manifest(art)["schedules"]
+    assert schedules["unscheduled"] == [] and schedules["total"] >= 2, schedules
+    feeds = _feeds(model)
+    got = runtime.load(art, device="cpu").run(feeds)
+    (ref,) = run_onnxruntime(model, feeds)
+    assert _rel_err(ref, next(iter(got.values()))) <= RTOL
+
+
+# ---------------------------------------------------------------------- the pass itself
+def _conv_module():
+    import tvm
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 10, 10), "float32"))
+    w = relax.Var("w", relax.TensorType((16, 8, 3, 3), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, w, padding=1)))
+            o = bb.emit_output(relax.op.add(y, relax.const(1.0)))
+        bb.emit_func_output(o)
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    tgt = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
+    with tgt:
+        return tvm.transform.Sequential(passes)(bb.get()), tgt
+
+
+def test_a_tuned_kernel_keeps_its_schedule():
+    """A kernel MetaSchedule's database scheduled (``tirx.is_scheduled``) is left as it is and
+    reported as tuned; the others get a rule. The database pass runs first in the pipeline."""
+    import tvm
+    from tvm import tirx
+
+    from tvm_layerfuse.compile.schedules import ApplySchedules
+    from tvm_layerfuse.lowering import layerfuse_pipeline
+
+    mod, tgt = _conv_module()
+    (gv,) = [g for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+    tuned = mod[gv].with_attr("tirx.is_scheduled", True)
+    mod.update_func(gv, tuned)
+    apply = ApplySchedules(tgt)
+    with tgt:
+        out = apply(mod)
+    tvm.ir.assert_structural_equal(out[gv], tuned)
+    assert apply.report.kernels[gv.name_hint].rule == "metaschedule"
+
+    with tgt:
+        names = [p.info.name for p in layerfuse_pipeline(tgt, database="db").passes()]
+    assert names.index("MetaScheduleApplyDatabase") < names.index("LayerfuseSchedules")
+
+
+def test_the_conv_rule_uses_the_target_vector_width():
+    """NEON: 4 lanes; the conv's innermost loop is a vector of output columns, under an
+    unrolled tile of output channels, under one parallel loop."""
+    from tvm_layerfuse.compile.schedules import ApplySchedules
+
+    mod, tgt = _conv_module()
+    apply = ApplySchedules(tgt)
+    with tgt:
+        out = apply(mod)
+    (name,) = apply.report.kernels
+    assert apply.report.kernels[name].rule == "conv2d" and apply.report.lanes == 4
+    text = out[name].script()
+    assert "T.parallel" in text and "T.unroll" in text
+    assert re.search(r"T\.vectorized\(T\.int64\((5|10)\)\)", text), text  # width 10: two vectors' worth, or 5
