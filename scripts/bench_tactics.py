@@ -1,7 +1,7 @@
 """Four sides in one process, same input, interleaved rounds: where the time goes.
 
 Usage: python scripts/bench_tactics.py [NAME ...] [--rounds 15] [--default-rounds 3]
-                                       [--threads 2] [--breakdown] [--png FILE]
+                                       [--threads 2] [--breakdown] [--png FILE] [--tactics auto|tvm]
        python scripts/bench_tactics.py [NAME ...] --bytes
 
 NAME: zoo builders (tvm_layerfuse.testing.zoo) at full width with seeded weights:
@@ -9,8 +9,10 @@ googlenet, inception_v3 (299x299), resnet50, squeezenet1_1, densenet121, mobilen
 (default: all six). Sides:
 
   tvm-default   TVM's default pipeline, untuned (its CPU kernels are plain loops)
-  layerfuse     fusion + the tactic choice (oneDNN where it takes the layer)
-  fusion-off    the same tactic choice on the unfused model, TVM's default pipeline
+  layerfuse     fusion + the tactic choice (oneDNN where it takes the layer; ``--tactics tvm``:
+                none, every layer on TVM's kernels), the CPU schedule rules for TVM's kernels
+  fusion-off    the same tactic choice on the unfused model, TVM's default pipeline with the
+                same schedule rules
   onnxruntime   CPU provider, all graph optimisations, ``--threads`` intra-op threads
 
 Every round runs each side once on the same input (tvm-default only in the first
@@ -62,6 +64,7 @@ from tvm_layerfuse.compile.presets import resolve  # noqa: E402 (after the threa
 from tvm_layerfuse.compile.report import activation_bytes_written, total_bytes_written  # noqa: E402 (after the thread settings)
 from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv  # noqa: E402 (after the thread settings)
 from tvm_layerfuse.lowering import concat_report, layerfuse_pipeline  # noqa: E402 (after the thread settings)
+from tvm_layerfuse.lowering.pipeline import default_passes  # noqa: E402 (after the thread settings)
 from tvm_layerfuse.relax.pipeline import fuse_with_report, lower, unfused  # noqa: E402 (after the thread settings)
 from tvm_layerfuse.testing import random_inputs, run_onnxruntime, zoo  # noqa: E402 (after the thread settings)
 
@@ -98,13 +101,18 @@ def kind_of(symbol: str) -> str:
     return "element-wise"
 
 
-def build(model, *, fuse: bool, tactics: bool, target):
+def build(model, *, fuse: bool, tactics: bool, target, schedules: bool = True):
     mod = fuse_with_report(model, bind=True).mod if fuse else unfused(model)
     chooser = None
     if tactics:
         chooser = UseOneDNNConv()
         mod = chooser(mod)
-    pipeline = layerfuse_pipeline(target) if fuse else relax.get_default_pipeline(target)
+    if fuse:
+        pipeline = layerfuse_pipeline(target)
+    elif schedules:  # the unfused model with the same CPU schedule rules (compile --no-fuse)
+        pipeline = default_passes(target, schedules=True)
+    else:  # TVM's own default pipeline: untuned, unscheduled loops
+        pipeline = relax.get_default_pipeline(target)
     ex = tvm.compile(mod, target=target, relax_pipeline=pipeline)
     return relax.VirtualMachine(ex, tvm.cpu()), chooser
 
@@ -135,10 +143,11 @@ def bench(name: str, args) -> dict:
     target = resolve("cpu").tvm_target()
     t = time.perf_counter()
     vms = {}
-    vms["layerfuse"], chooser = build(model, fuse=True, tactics=True, target=target)
-    vms["fusion-off"], _ = build(model, fuse=False, tactics=True, target=target)
+    onednn = args.tactics == "auto"
+    vms["layerfuse"], chooser = build(model, fuse=True, tactics=onednn, target=target)
+    vms["fusion-off"], _ = build(model, fuse=False, tactics=onednn, target=target)
     if args.default_rounds:
-        vms["tvm-default"], _ = build(model, fuse=False, tactics=False, target=target)
+        vms["tvm-default"], _ = build(model, fuse=False, tactics=False, target=target, schedules=False)
     build_s = time.perf_counter() - t
     so = ort.SessionOptions()
     so.intra_op_num_threads = args.threads
@@ -174,7 +183,7 @@ def bench(name: str, args) -> dict:
             if side == "tvm-default" and (r >= args.default_rounds or side not in vms):
                 continue
             samples[side].append(run_side(side))
-    res = {"name": name, "build_s": build_s, "check": check, "samples": samples, "tactics": chooser.layers}
+    res = {"name": name, "build_s": build_s, "check": check, "samples": samples, "tactics": chooser.layers if chooser else []}
     if args.breakdown:
         res["breakdown"] = {side: breakdown(vms[side], tvm_args) for side in ("layerfuse", "fusion-off")}
     return res
@@ -216,7 +225,8 @@ def print_bytes(name: str, rows: list[dict]) -> None:
 
 
 def report(results, args) -> None:
-    print(f"# bench_tactics: batch 1, fp32, {args.threads} threads, {args.clock} clock, {args.rounds} interleaved rounds "
+    print(f"# bench_tactics: --tactics {args.tactics}, batch 1, fp32, {args.threads} threads, {args.clock} clock, "
+          f"{args.rounds} interleaved rounds "
           f"(tvm-default: {args.default_rounds}); medians in ms, [min-max]")
     print()
     print(
@@ -285,6 +295,13 @@ def main() -> None:
     ap.add_argument("--default-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument(
+        "--tactics",
+        choices=("auto", "tvm"),
+        default="auto",
+        help="auto: convs on oneDNN where it takes them; tvm: every layer on TVM's kernels with the CPU schedule "
+        "rules (layerfuse and fusion-off), against TVM's untuned default (tvm-default) and onnxruntime",
+    )
     ap.add_argument("--png", metavar="FILE", help="also write a bar chart of the ratios to onnxruntime (needs matplotlib)")
     ap.add_argument("--bytes", action="store_true", help="print bytes written, kernel launches and peak memory (no timing)")
     ap.add_argument(
