@@ -66,6 +66,8 @@ def test_tune_then_compile_applies_the_database(tmp_path, monkeypatch, capfd):
     np.testing.assert_equal(len(records) > 0, True)
     tuning = json.loads((out / "manifest.json").read_text())["tuning"]  # the manifest says what was applied
     assert tuning == {"database": str(result.database), "records": len(records), "workloads": len({json.loads(r)[0] for r in records})}
+    schedules = json.loads((out / "manifest.json").read_text())["schedules"]  # the tuned kernels keep their schedules
+    assert schedules["counts"].get("metaschedule", 0) >= 1 and schedules["unscheduled"] == [], schedules["counts"]
     plain = compile_model(path, tmp_path / "plain", tactics="tvm", fuse=False, progress=False)
     assert json.loads((plain / "manifest.json").read_text())["tuning"] is None  # TVM's own pipeline: untuned
 
