@@ -113,6 +113,18 @@ def test_artifact_has_no_unscheduled_kernel(x86_artifact):
     assert schedules["isa"] in ("avx2", "avx512") and schedules["lanes"] in (8, 16)
 
 
+def test_inspect_shows_the_rule_of_every_kernel(x86_artifact, capsys):
+    from tvm_layerfuse.cli.commands import main
+
+    assert main(["inspect", str(x86_artifact)]) == 0
+    out = capsys.readouterr().out
+    kernels = read_manifest(x86_artifact)["schedules"]["kernels"]
+    summary = next(line for line in out.splitlines() if line.startswith("schedules:"))
+    assert "none unscheduled" in summary and "conv2d " in summary and "parallel" in summary, summary
+    for name, k in kernels.items():  # one line per kernel: its name and rule
+        assert re.search(rf"^  {re.escape(name)}\s+{re.escape(k['rule'])}", out, re.M), name
+
+
 def _objdump(tool: str, library: Path) -> str:
     if shutil.which(tool) is None:
         pytest.skip(f"{tool} is missing (binutils)")
