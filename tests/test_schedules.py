@@ -199,7 +199,10 @@ def test_what_onednn_leaves_to_tvm_is_scheduled(tmp_path):
 
 
 # ---------------------------------------------------------------------- the pass itself
-def _conv_module():
+NEON = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
+
+
+def _conv_module(target: dict = NEON):
     import tvm
     from tvm import relax
 
@@ -212,7 +215,7 @@ def _conv_module():
             o = bb.emit_output(relax.op.add(y, relax.const(1.0)))
         bb.emit_func_output(o)
     passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
-    tgt = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]})
+    tgt = tvm.target.Target(target)
     with tgt:
         return tvm.transform.Sequential(passes)(bb.get()), tgt
 
@@ -241,17 +244,27 @@ def test_a_tuned_kernel_keeps_its_schedule():
     assert names.index("MetaScheduleApplyDatabase") < names.index("LayerfuseSchedules")
 
 
-def test_the_conv_rule_uses_the_target_vector_width():
-    """NEON: 4 lanes; the conv's innermost loop is a vector of output columns, under an
-    unrolled tile of output channels, under one parallel loop."""
+@pytest.mark.parametrize(
+    "target, isa, lanes, width",
+    [
+        (NEON, "neon", 4, 5),  # 10 columns: two vectors and a half do not divide; 5 does
+        ({"kind": "llvm", "mcpu": "znver3"}, "avx2", 8, 10),
+        ({"kind": "llvm", "mcpu": "skylake-avx512"}, "avx512", 16, 10),
+    ],
+)
+def test_the_conv_rule_uses_the_target_vector_width(target, isa, lanes, width):
+    """The conv's innermost loop is a vector of output columns sized by the target, under an
+    unrolled tile of output channels, under one parallel loop (compiled, not run: the
+    AVX-512 and NEON kernels do not run on every build machine)."""
     from tvm_layerfuse.compile.schedules import ApplySchedules
 
-    mod, tgt = _conv_module()
+    mod, tgt = _conv_module(target)
     apply = ApplySchedules(tgt)
     with tgt:
         out = apply(mod)
     (name,) = apply.report.kernels
-    assert apply.report.kernels[name].rule == "conv2d" and apply.report.lanes == 4
+    assert apply.report.kernels[name].rule == "conv2d"
+    assert (apply.report.isa, apply.report.lanes) == (isa, lanes)
     text = out[name].script()
     assert "T.parallel" in text and "T.unroll" in text
-    assert re.search(r"T\.vectorized\(T\.int64\((5|10)\)\)", text), text  # width 10: two vectors' worth, or 5
+    assert f"T.vectorized(T.int64({width}))" in text, text
