@@ -207,7 +207,7 @@ def _conv_module(target: dict = NEON):
     from tvm import relax
 
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 8, 10, 10), "float32"))
+    x = relax.Var("x", relax.TensorType((1, 8, 12, 12), "float32"))
     w = relax.Var("w", relax.TensorType((16, 8, 3, 3), "float32"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
@@ -247,9 +247,9 @@ def test_a_tuned_kernel_keeps_its_schedule():
 @pytest.mark.parametrize(
     "target, isa, lanes, width",
     [
-        (NEON, "neon", 4, 5),  # 10 columns: two vectors and a half do not divide; 5 does
-        ({"kind": "llvm", "mcpu": "znver3"}, "avx2", 8, 10),
-        ({"kind": "llvm", "mcpu": "skylake-avx512"}, "avx512", 16, 10),
+        (NEON, "neon", 4, 4),  # 12 output columns: three vectors of 4
+        ({"kind": "llvm", "mcpu": "znver3"}, "avx2", 8, 6),  # 8 does not divide 12; a vector of 12 would shuffle
+        ({"kind": "llvm", "mcpu": "skylake-avx512"}, "avx512", 16, 12),  # one vector
     ],
 )
 def test_the_conv_rule_uses_the_target_vector_width(target, isa, lanes, width):

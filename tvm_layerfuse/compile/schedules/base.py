@@ -126,19 +126,24 @@ def loops_per_iter(sch: s_tir.Schedule, block) -> list:
 
 
 def vector_factor(extent: int, lanes: int, vectors: int = 1) -> int:
-    """Elements per vectorised loop for an axis of ``extent``: a multiple of ``lanes`` up to
-    ``lanes * vectors`` that divides it, else the whole axis when it is short (at most two such
-    widths: LLVM splits it into vectors and a remainder), else a divisor between half a vector
-    and two such widths, else ``lanes * vectors`` with a predicated tail."""
+    """Elements per vectorised loop for an axis of ``extent``, in this order of preference:
+    a multiple of ``lanes`` up to ``lanes * vectors`` that divides it; the whole axis when it
+    fits one vector; a divisor between half a vector and a vector (14 -> 7, 28 -> 7 for 8
+    lanes: a vector wider than one register but not a multiple of it makes LLVM shuffle lanes
+    through the stack, measured 3-4x slower); the whole axis up to two vectors; any divisor up
+    to two vectors; else ``lanes * vectors`` with a predicated tail."""
     cap = lanes * vectors
-    if extent <= cap:
-        return extent
-    for f in range(cap, lanes - 1, -lanes):
+    for f in range(cap - cap % lanes, lanes - 1, -lanes):
         if extent % f == 0:
             return f
-    if extent <= 2 * cap:
+    if extent <= lanes:
         return extent
-    for f in range(2 * cap, max(lanes // 2, 2) - 1, -1):
+    for f in range(lanes - 1, max(lanes // 2, 2) - 1, -1):
+        if extent % f == 0:
+            return f
+    if extent <= 2 * lanes:
+        return extent
+    for f in range(2 * lanes, 1, -1):
         if extent % f == 0:
             return f
     return cap
