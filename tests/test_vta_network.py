@@ -71,11 +71,18 @@ def test_fusion_moves_fewer_bytes_and_instructions(name, request):
     assert fused["wgt_load_nbytes"] == unfused["wgt_load_nbytes"]
 
 
-def test_int8_close_to_fp32(resnet, inception):
-    for model, b in (resnet, inception):
-        acc = pipeline.accuracy(b, model, random_samples(b.graph, 3, seed=21))
-        assert acc["max_rel_error"] < 0.5, acc
-        assert acc["top1_agreement"] >= 2 / 3, acc
+# Measured (seeded, deterministic) on 3 inputs: resnet 0.200, inception 0.061 max relative error,
+# top-1 agreement 1.0 for both. A requantization rounding constant off by one bit gives resnet 0.31
+# and top-1 0.667. The bounds leave 20 % headroom over the measured error.
+INT8_MAX_REL_ERROR = {"resnet": 0.24, "inception": 0.075}
+
+
+@pytest.mark.parametrize("name", ["resnet", "inception"])
+def test_int8_close_to_fp32(name, request):
+    model, b = request.getfixturevalue(name)
+    acc = pipeline.accuracy(b, model, random_samples(b.graph, 3, seed=21))
+    assert acc["max_rel_error"] < INT8_MAX_REL_ERROR[name], acc
+    assert acc["top1_agreement"] == 1.0, acc
 
 
 def test_small_buffers_force_tiling_and_stay_exact():
