@@ -24,7 +24,8 @@ from tvm_layerfuse.runtime import load
 from tvm_layerfuse.testing.checks import output_mismatches
 
 MISSING = onednn.availability()
-TACTICS = ["tvm", pytest.param("onednn", marks=pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}"))]
+NEEDS_ONEDNN = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
+TACTICS = ["tvm", pytest.param("onednn", marks=NEEDS_ONEDNN)]
 H = W = 8
 
 
@@ -32,7 +33,7 @@ def _conv_relu(n: Net, x: str, cout: int, k: int = 1) -> str:
     return n.relu(n.conv(x, cout, k=k))
 
 
-def _compile_run(model: onnx.ModelProto, tmp_path, tactics: str) -> dict:
+def compile_run_check(model: onnx.ModelProto, tmp_path, tactics: str) -> dict:
     """compile -> load -> run; every output within 1e-4 of onnxruntime; the manifest."""
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
@@ -64,7 +65,7 @@ def nested_concat_model() -> onnx.ModelProto:
 
 @pytest.mark.parametrize("tactics", TACTICS)
 def test_nested_concat_at_a_nonzero_offset(tactics, tmp_path):
-    manifest = _compile_run(nested_concat_model(), tmp_path, tactics)
+    manifest = compile_run_check(nested_concat_model(), tmp_path, tactics)
     kernels = manifest["fusion"]["kernels"]
     assert manifest["tactics"]["used"] == tactics
     if tactics == "tvm":  # inner is a view of outer's block at channel 16; no copy at all
@@ -88,7 +89,7 @@ def merged_second_piece_model() -> onnx.ModelProto:
 @pytest.mark.parametrize("tactics", TACTICS)
 def test_second_piece_of_a_merged_conv_feeds_the_concat(tactics, tmp_path):
     model = merged_second_piece_model()
-    manifest = _compile_run(model, tmp_path, tactics)
+    manifest = compile_run_check(model, tmp_path, tactics)
     plan = manifest["fusion"]["plan"]
     assert plan["horizontal"] == 1 and plan["concat_in_place"] == 1, plan
     kernels = manifest["fusion"]["kernels"]

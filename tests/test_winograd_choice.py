@@ -44,6 +44,11 @@ def _conv_algorithms(mod) -> list[int]:
     return found
 
 
+@pytest.fixture(scope="module")
+def fused():
+    return fuse_with_report(_model(), bind=True).mod
+
+
 @pytest.fixture
 def injected(monkeypatch):
     """oneDNN answers as if it had a Winograd kernel; ``timings`` = (direct ms, Winograd ms)."""
@@ -73,10 +78,10 @@ def injected(monkeypatch):
         (0.99 * WINOGRAD_GAIN, 1.0, False),  # faster, but by less than the gain
     ],
 )
-def test_winograd_is_kept_exactly_when_it_is_faster_by_the_gain(injected, direct_ms, wino_ms, winograd):
+def test_winograd_is_kept_exactly_when_it_is_faster_by_the_gain(fused, injected, direct_ms, wino_ms, winograd):
     injected.timings = (direct_ms, wino_ms)
     chooser = UseOneDNNConv(winograd="timed")
-    mod = chooser(fuse_with_report(_model(), bind=True).mod)
+    mod = chooser(fused)
     convs = [c for c in chooser.layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:", "concat:"))]
     assert len(convs) == 2, chooser.layers
     three, one = sorted(convs, key=lambda c: c.shape.endswith("3, 3]"), reverse=True)
@@ -88,10 +93,10 @@ def test_winograd_is_kept_exactly_when_it_is_faster_by_the_gain(injected, direct
 
 
 @pytest.mark.parametrize("mode, winograd", [("never", False), ("always", True)])
-def test_fixed_modes_ignore_the_timings(injected, mode, winograd):
+def test_fixed_modes_ignore_the_timings(fused, injected, mode, winograd):
     injected.timings = (1.0, 2.0) if winograd else (2.0, 1.0)  # the opposite of the mode's answer
     chooser = UseOneDNNConv(winograd=mode)
-    mod = chooser(fuse_with_report(_model(), bind=True).mod)
+    mod = chooser(fused)
     assert not injected.calls
     assert sorted(_conv_algorithms(mod)) == ([0, 1] if winograd else [0, 0])
     assert any(c.kernel == INJECTED_KERNEL for c in chooser.layers) is winograd
