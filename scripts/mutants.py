@@ -138,7 +138,15 @@ MUTANTS = [
         area="epilogue order",
         file="tvm_layerfuse/vta/graph.py",
         original='if seen_act or e.role == "post_add":',
-        replacement='if e.role == "post_add":',
+        replacement='if e.role == "residual" and seen_act:',
+        tests=[VTA_NET + "test_activation_before_residual_runs_its_own_layers_on_the_host"],
+    ),
+    dict(
+        id="vta-post-add-host-form",
+        area="epilogue order",
+        file="tvm_layerfuse/vta/graph.py",
+        original='if "post_add" in roles:  # the planner\'s name for an Add after the activation',
+        replacement="if False:",
         tests=[VTA_NET + "test_activation_before_residual_runs_its_own_layers_on_the_host"],
     ),
     dict(

@@ -30,6 +30,8 @@ Not part of the test suite: it runs pytest once per mutant (minutes for the whol
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
 import os
 import runpy
@@ -192,7 +194,7 @@ def run_pytest(tests: list[str], *, timeout: float, extra: list[str]) -> tuple[s
                 return "skipped", "", seconds, counts
             return "survived", "", seconds, counts
         tail = " | ".join(line for line in out.strip().splitlines()[-3:])
-        return "error", tail, seconds, counts
+        return "error", f"pytest exit status {proc.returncode}" + (f": {tail}" if tail else ""), seconds, counts
 
 
 def _sigterm(signum, frame):
@@ -211,7 +213,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
-
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored (a background job)
+    lock = open(Path(tempfile.gettempdir()) / f"mutate-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]}.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        print(f"another mutation run is using {ROOT}; wait for it to end (two runs would undo each other's mutants)", file=sys.stderr)
+        return 2
     for f in restore_leftovers():
         print(f"restored {f} from a backup an interrupted run left behind")
     try:
@@ -262,9 +270,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\ninterrupted: the mutated file was restored", file=sys.stderr)
         return 130
 
-    print("\nmutant                           area                   outcome   killing test")
+    print("\nmutant                                 area                   outcome   killing test")
     for o in outcomes:
-        print(f"{o.mutant.id:32s} {o.mutant.area:22s} {o.status:9s} {o.killer or o.detail}")
+        print(f"{o.mutant.id:38s} {o.mutant.area:22s} {o.status:9s} {o.killer or o.detail}")
     killed = sum(o.status in ("killed", "timeout") for o in outcomes)
     print(f"\n{killed} of {len(outcomes)} mutants killed")
     if args.json:
