@@ -64,11 +64,26 @@ def test_fusion_moves_fewer_bytes_and_instructions(name, request):
     model, b = request.getfixturevalue(name)
     g = pipeline.gain(b, random_samples(b.graph, 1, seed=3)[0])
     fused, unfused = g["fused"], g["unfused"]
-    assert fused["gemm_counter"] == unfused["gemm_counter"]  # the same arithmetic
+    # the same conv arithmetic; int8 data reaches the accumulators through identity GEMMs, one per
+    # residual element fused, one per input element of an unfused element-wise program or copy
+    assert fused["gemm_counter"] <= unfused["gemm_counter"]
     assert fused["dram_nbytes"] < unfused["dram_nbytes"]
     assert fused["out_store_nbytes"] < unfused["out_store_nbytes"]
     assert fused["insn_count"] < unfused["insn_count"]
-    assert fused["wgt_load_nbytes"] == unfused["wgt_load_nbytes"]
+    # the same conv weights; each program that adds int8 data loads the identity block once
+    assert fused["wgt_load_nbytes"] - _identity_bytes(b.fused) == unfused["wgt_load_nbytes"] - _identity_bytes(b.unfused)
+
+
+def _identity_bytes(compiled):
+    """Bytes of identity weight blocks the programs of one inference load."""
+    from tvm_layerfuse.vta import isa
+
+    if "wgt:identity" not in compiled.regions:
+        return 0
+    base = compiled.regions["wgt:identity"][0] // compiled.cfg.wgt_elem_bytes
+    loads = [i for p in compiled.programs.values() for i in p.insns
+             if isinstance(i, isa.MemInsn) and i.memory_type == isa.MEM_WGT and i.dram_base == base]
+    return len(loads) * compiled.cfg.wgt_elem_bytes
 
 
 def test_int8_close_to_fp32(resnet, inception):

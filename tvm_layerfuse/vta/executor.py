@@ -58,6 +58,7 @@ def to_module(model: CompiledVTA, *, device: Union[str, VTADevice] = "sim") -> V
     return VTAModule(manifest, model.image, streams, consts, device=device)
 
 
-def execute(model: CompiledVTA, feeds: Mapping[str, np.ndarray], *, trace: bool = False) -> RunResult:
-    """One inference on the simulator."""
-    return to_module(model).run(feeds, trace=trace)
+def execute(model: CompiledVTA, feeds: Mapping[str, np.ndarray], *, trace: bool = False,
+            device: Union[str, VTADevice] = "sim") -> RunResult:
+    """One inference on the simulator (``device="sim"``: hardware mode; ``"sim-functional"``)."""
+    return to_module(model, device=device).run(feeds, trace=trace)

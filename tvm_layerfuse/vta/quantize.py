@@ -213,10 +213,12 @@ def int_conv(op: ConvOp, q: Quantization) -> IntConv:
     f_x = q.frac[op.input]
     f_out = q.frac[op.outputs[0].tensor]
     f_w = np.asarray(q.weight_frac[op.name], dtype=np.int64)  # [C_out]
-    # keep every shift a valid 5-bit ALU operand
-    f_w = np.minimum(f_w, f_out - f_x + 30)
+    # keep the requantization shift in -16..30 and the residual alignment in -15..30: at most
+    # three SHR instructions each on the hardware (15 right or 16 left per instruction)
+    f_w = np.maximum(np.minimum(f_w, f_out - f_x + 30), f_out - f_x - 16)
     if op.residual:
-        f_w = np.minimum(f_w, q.frac[op.residual] - f_x + 30)
+        f_res = q.frac[op.residual]
+        f_w = np.maximum(np.minimum(f_w, f_res - f_x + 30), f_res - f_x - 15)
     big_f = f_x + f_w  # [C_out]
     shift = big_f - f_out
     w_q = np.clip(np.floor(op.weight * (2.0 ** f_w.astype(np.float64)).reshape(-1, 1, 1, 1) + 0.5), -128, 127).astype(np.int8)

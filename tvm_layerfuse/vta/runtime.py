@@ -72,12 +72,13 @@ class VTADevice(Protocol):
 
 
 class SimDevice:
-    """The functional simulator as a :class:`VTADevice`."""
+    """The simulator as a :class:`VTADevice`: ``mode="hardware"`` (what the VTA hardware designs
+    execute; the default) or ``"functional"`` (upstream's functional simulator)."""
 
-    def __init__(self, cfg: VTAConfig) -> None:
+    def __init__(self, cfg: VTAConfig, *, mode: str = "hardware") -> None:
         self.cfg = cfg
         self.dram = DRAM()
-        self.sim = Simulator(cfg, self.dram)
+        self.sim = Simulator(cfg, self.dram, mode=mode)
 
     def reset(self, image: np.ndarray) -> None:
         self.dram.data = image.copy()
@@ -89,16 +90,19 @@ class SimDevice:
     def read(self, addr: int, nbytes: int) -> np.ndarray:
         return self.dram.read(addr, nbytes)
 
-    def run(self, stream: np.ndarray) -> Counters:
-        return self.sim.run(stream)
+    def run(self, stream: np.ndarray, *, name: str = "?") -> Counters:
+        return self.sim.run(stream, name=name)
 
 
 def open_device(device: Union[str, VTADevice], cfg: VTAConfig) -> VTADevice:
-    """``"sim"``, ``"board"`` or a :class:`VTADevice` object."""
+    """``"sim"`` (the simulator in hardware mode), ``"sim-functional"`` (upstream's functional
+    simulator, for comparison), ``"board"`` or a :class:`VTADevice` object."""
     if not isinstance(device, str):
         return device
     if device == "sim":
         return SimDevice(cfg)
+    if device == "sim-functional":
+        return SimDevice(cfg, mode="functional")
     if device == "board":
         found = [p for p in BOARD_DEVICE_NODES if os.path.exists(p)]
         detail = f"found {', '.join(found)} but no VTA driver is bundled" if found else f"none of {', '.join(BOARD_DEVICE_NODES)} exists"
@@ -106,7 +110,8 @@ def open_device(device: Union[str, VTADevice], cfg: VTAConfig) -> VTADevice:
             f"no VTA device found ({detail}); expected a PYNQ/Ultra96/DE10-Nano board with the VTA bitstream loaded and a "
             "driver object implementing tvm_layerfuse.vta.runtime.VTADevice - pass device='sim' to use the simulator"
         )
-    raise DeviceError(f"VTA device {device!r} is unknown; expected 'sim', 'board' or a VTADevice object - pass device='sim'")
+    raise DeviceError(f"VTA device {device!r} is unknown; expected 'sim', 'sim-functional', 'board' or a VTADevice object - "
+                      "pass device='sim'")
 
 
 @dataclass
@@ -229,7 +234,8 @@ class VTAModule:
                 if name not in resident:
                     to_dram(name)
             if op["program"] is not None:
-                per[op["name"]] = dev.run(self.streams[op["program"]])
+                stream = self.streams[op["program"]]
+                per[op["name"]] = dev.run(stream, name=op["name"]) if isinstance(dev, SimDevice) else dev.run(stream)
             for name in op["writes"]:
                 resident.add(name)
                 floats.pop(name, None)
