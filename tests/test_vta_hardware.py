@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tvm_layerfuse.vta import isa
-from tvm_layerfuse.vta.config import DEFAULT
-from tvm_layerfuse.vta.sim import DRAM, HardwareError, Simulator
+from tvm_layerfuse.runtime.vta import isa
+from tvm_layerfuse.runtime.vta.config import DEFAULT
+from tvm_layerfuse.runtime.vta.sim import DRAM, HardwareError, Simulator
 
 B = DEFAULT.block
 
@@ -161,7 +161,7 @@ def test_uop_load_of_several_rows_is_refused():
 
 # ---------------------------------------------------------------------- the generated programs
 def test_shift_parts_stay_in_range_with_one_sign_each():
-    from tvm_layerfuse.vta.codegen import shift_parts
+    from tvm_layerfuse.compile.vta.codegen import shift_parts
 
     amount = np.array([30, -30, 0, 15, -16, 17, -17, 1])
     parts = shift_parts(amount)
@@ -175,7 +175,7 @@ def test_shift_parts_stay_in_range_with_one_sign_each():
 @pytest.mark.parametrize("shift", [1, 7, 15, 16, 23, 30, -5, -16, -20])
 def test_requantization_split_equals_one_rounding_shift(shift):
     """``(a + 2**(s-1)) >> s`` in SHR instructions of at most 15 (the rounding before the last)."""
-    from tvm_layerfuse.vta.codegen import _requantize
+    from tvm_layerfuse.compile.vta.codegen import _requantize
 
     p = _Prog(seed=shift % 7)
     rng = np.random.default_rng(shift + 100)
@@ -205,7 +205,7 @@ def _residual_net():
 
 @pytest.fixture(scope="module")
 def residual_build():
-    from tvm_layerfuse.vta import pipeline
+    from tvm_layerfuse.compile.vta import pipeline
 
     return pipeline.build(_residual_net(), baseline=True, n_calibration=2, seed=1)
 
@@ -224,9 +224,9 @@ def _hardware_legal(compiled) -> None:
 def test_residual_and_eltwise_programs_bit_exact_under_the_hardware_mode(residual_build, fused, kind):
     """The fused form adds the residual in the conv's epilogue; the unfused form runs the add
     and the ReLU as element-wise programs. Both bit-exact with the int8 numpy reference."""
-    from tvm_layerfuse.vta.executor import execute
-    from tvm_layerfuse.vta.graph import ConvOp, EltwiseOp
-    from tvm_layerfuse.vta.quantize import random_samples, reference
+    from tvm_layerfuse.compile.vta.executor import execute
+    from tvm_layerfuse.compile.vta.graph import ConvOp, EltwiseOp
+    from tvm_layerfuse.compile.vta.quantize import random_samples, reference
 
     b = residual_build
     compiled = b.fused if fused else b.unfused
@@ -251,8 +251,8 @@ def test_residual_and_eltwise_programs_bit_exact_under_the_hardware_mode(residua
 
 def test_a_refusal_names_the_network_op(residual_build):
     """Through the runtime, the program in the message is the op's name."""
-    from tvm_layerfuse.vta.executor import to_module
-    from tvm_layerfuse.vta.quantize import random_samples
+    from tvm_layerfuse.compile.vta.executor import to_module
+    from tvm_layerfuse.compile.vta.quantize import random_samples
 
     compiled = residual_build.unfused
     module = to_module(compiled)

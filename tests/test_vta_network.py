@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
+from tvm_layerfuse.compile.vta import pipeline
+from tvm_layerfuse.compile.vta.graph import ConcatOp, ConvOp
+from tvm_layerfuse.compile.vta.quantize import random_samples, reference
+from tvm_layerfuse.runtime.vta.config import config_from_dict
 from tvm_layerfuse.testing import zoo
-from tvm_layerfuse.vta import pipeline
-from tvm_layerfuse.vta.config import config_from_dict
-from tvm_layerfuse.vta.graph import ConcatOp, ConvOp
-from tvm_layerfuse.vta.quantize import random_samples, reference
 
 
 def _check_bit_exact(b, feeds):
@@ -15,7 +15,7 @@ def _check_bit_exact(b, feeds):
         compiled = b.fused if fused else b.unfused
         trace = {}
         ref = reference(compiled.graph, b.quantization, feeds, trace=trace)
-        from tvm_layerfuse.vta.executor import execute
+        from tvm_layerfuse.compile.vta.executor import execute
 
         run = execute(compiled, feeds, trace=True)
         for name, value in trace.items():  # every int8 tensor a VTA op produced
@@ -76,7 +76,7 @@ def test_fusion_moves_fewer_bytes_and_instructions(name, request):
 
 def _identity_bytes(compiled):
     """Bytes of identity weight blocks the programs of one inference load."""
-    from tvm_layerfuse.vta import isa
+    from tvm_layerfuse.runtime.vta import isa
 
     if "wgt:identity" not in compiled.regions:
         return 0
@@ -112,7 +112,7 @@ def test_generated_programs_need_their_dependency_tokens(inception):
     """Dropping the tokens of a generated program is caught, never a silent wrong result."""
     import dataclasses
 
-    from tvm_layerfuse.vta.sim import DeadlockError, HazardError, Simulator
+    from tvm_layerfuse.runtime.vta.sim import DeadlockError, HazardError, Simulator
 
     model, b = inception
     name, prog = next((n, p) for n, p in b.fused.programs.items() if p.kind == "conv" and len(p.insns) > 8)
@@ -167,8 +167,8 @@ def test_zoo_networks_bit_exact_and_fusion_pays(name):
 def test_vta_ops_in_float_match_onnxruntime(name, request):
     """The lowering's algebra (folded weights, merged branches, epilogues, unfused split) before
     any quantization: float64 execution of both forms vs onnxruntime."""
+    from tvm_layerfuse.compile.vta.quantize import run_float
     from tvm_layerfuse.testing.checks import run_onnxruntime
-    from tvm_layerfuse.vta.quantize import run_float
 
     model, b = request.getfixturevalue(name)
     for feeds in random_samples(b.graph, 2, seed=31):
@@ -181,9 +181,9 @@ def test_vta_ops_in_float_match_onnxruntime(name, request):
 def test_activation_before_residual_runs_its_own_layers_on_the_host():
     """Conv -> ReLU -> Add(x): VTA's epilogue adds before activating, so the host runs the group
     layer by layer (in float: the onnxruntime result), never the reordered algebra."""
+    from tvm_layerfuse.compile.vta.quantize import run_float
     from tvm_layerfuse.testing._builder import NetBuilder
     from tvm_layerfuse.testing.checks import run_onnxruntime
-    from tvm_layerfuse.vta.quantize import run_float
 
     nb = NetBuilder("act_then_add", seed=0, opset=13, bn="separate", clip="inputs", quirks=False)
     x = nb.input("input", (1, 16, 8, 8))
@@ -202,8 +202,8 @@ def test_lrn_and_dropout_with_a_mask_run_on_the_host():
     onnxruntime in float, and the simulator stays bit-exact with the int8 reference."""
     from onnx import TensorProto, helper, numpy_helper
 
+    from tvm_layerfuse.compile.vta.quantize import run_float
     from tvm_layerfuse.testing.checks import run_onnxruntime
-    from tvm_layerfuse.vta.quantize import run_float
 
     rng = np.random.default_rng(4)
     w = numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32) * 0.2, "w")

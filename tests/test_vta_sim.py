@@ -4,9 +4,9 @@ acc8 loads, MUL or stores of loaded accumulators run in the functional mode, ups
 import numpy as np
 import pytest
 
-from tvm_layerfuse.vta import isa
-from tvm_layerfuse.vta.config import DEFAULT
-from tvm_layerfuse.vta.sim import (
+from tvm_layerfuse.runtime.vta import isa
+from tvm_layerfuse.runtime.vta.config import DEFAULT
+from tvm_layerfuse.runtime.vta.sim import (
     DRAM,
     DeadlockError,
     HazardError,
@@ -226,7 +226,7 @@ from hypothesis import strategies as hst  # noqa: E402
 
 @functools.lru_cache(maxsize=1)
 def _small_cfg():
-    from tvm_layerfuse.vta.config import config_from_dict
+    from tvm_layerfuse.runtime.vta.config import config_from_dict
 
     return config_from_dict({"LOG_BLOCK": 2, "LOG_INP_BUFF_SIZE": 10, "LOG_WGT_BUFF_SIZE": 10,
                              "LOG_ACC_BUFF_SIZE": 10, "LOG_UOP_BUFF_SIZE": 10})

@@ -33,7 +33,7 @@ def load(path: Union[str, os.PathLike], *, device: Optional[str] = None):
     ``cuda`` or ``cuda:N``, or a VTA artifact for ``sim`` (default) or ``board``."""
     manifest = artifact.read_manifest(Path(path))
     if manifest["target"].get("device") == "vta":
-        from .vta import VTARuntime
+        from .vta.loader import VTARuntime
 
         return VTARuntime(path, device=device or "sim", manifest=manifest)
     return _load_library(path, device=device or "cpu")

@@ -2,7 +2,7 @@
 
 Static shapes make every address known at compile time, so the generator lays out one
 DRAM image (packed weights, biases, micro-op kernels, activation buffers; see
-:mod:`tvm_layerfuse.vta.layout`) and emits instructions with absolute element addresses.
+:mod:`tvm_layerfuse.runtime.vta.layout`) and emits instructions with absolute element addresses.
 
 A conv (:class:`ConvOp`) is tiled over output rows (``oht`` rows) and output-channel blocks
 (``obc`` blocks) so that its input rows with halo, its weights, its accumulators (tile and
@@ -53,12 +53,12 @@ from typing import Optional
 
 import numpy as np
 
-from . import isa
-from .config import DEFAULT, VTAConfig
+from ...runtime.vta import isa
+from ...runtime.vta.config import DEFAULT, VTAConfig
+from ...runtime.vta.layout import Layout, pack_weight
+from ...runtime.vta.sim import DRAM
 from .graph import ConcatOp, ConvOp, EltwiseOp, VTAGraph
-from .layout import Layout, pack_weight
 from .quantize import Quantization, int_conv, int_eltwise
-from .sim import DRAM
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig,
     kk = kh * kw
     res = int(op.residual is not None)
     if n_vec is None:
-        n_vec = 4 + 3 * res
+        n_vec = MAX_VECTORS if res else MAX_VECTORS - 3  # without a residual: no alignment parts
     best, best_cost = None, None
     for ibc in range(ib, 0, -1):  # split the reduction over input blocks only when nothing else fits
         split = ibc < ib
@@ -253,7 +253,7 @@ def prepare(graph: VTAGraph, cfg: VTAConfig = DEFAULT) -> dict[str, Storage]:
     """Decide what VTA runs (marks the rest host with a reason) and plan the storage."""
     for name in graph.inputs:
         if graph.shapes.get(name, (1,))[0] != 1:
-            from ..errors import ShapeError
+            from ...errors import ShapeError
 
             raise ShapeError(
                 f"input {name!r} has batch {graph.shapes[name][0]}; expected batch {cfg.batch} (VTA's configuration) - "
@@ -437,7 +437,7 @@ class Compiler:
         n_vec = len(vecs)
         t, reason = conv_tiling(op, self.storage, self.graph.shapes, cfg, n_vec=n_vec)
         if t is None:
-            from ..errors import BuildError
+            from ...errors import BuildError
 
             raise BuildError(f"conv {op.name!r}: {reason}; expected a layer that prepare() accepted - report this as a bug")
         w_base = self._region(f"wgt:{op.name}", pack_weight(w_phys, block), cfg.wgt_elem_bytes)

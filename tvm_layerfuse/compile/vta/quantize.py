@@ -31,10 +31,10 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import InputError
-from . import host
+from ...errors import InputError
+from ...runtime.vta import host
+from ...runtime.vta.numerics import dequantize, quantize, shift_round
 from .graph import Act, ConcatOp, ConvOp, EltwiseOp, HostOp, Op, VTAGraph
-from .numerics import dequantize, quantize, shift_round
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def host_program(graph: VTAGraph, op: Op) -> tuple[list[dict], dict[str, np.ndar
         # extra outputs nobody reads (Dropout's mask) are fine: the step computes the first
         unused = all(not o or not first.consumers(o) and o not in first.outputs for o in layer.outputs[1:])
         if layer.op_type not in host.HOST_OPS or layer.domain or not unused:
-            from ..errors import BuildError
+            from ...errors import BuildError
 
             raise BuildError(
                 f"layer {layer.name!r} ({layer.op_type}) has no host implementation in the VTA flow; expected one of "

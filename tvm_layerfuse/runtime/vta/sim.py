@@ -59,7 +59,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ..errors import LayerfuseError
+from ...errors import LayerfuseError
 from . import isa
 from .config import DEFAULT, VTAConfig
 
