@@ -263,3 +263,16 @@ def test_a_refusal_names_the_network_op(residual_build):
     module.streams[key] = isa.encode_stream(insns)
     with pytest.raises(HardwareError, match=f"VTA program {name!r}, instruction {k} \\(ALU MUL"):
         module.run(random_samples(compiled.graph, 1, seed=1)[0])
+
+
+def test_devices_choose_the_mode():
+    """``sim`` is the hardware mode; the functional simulator only on request."""
+    from tvm_layerfuse.errors import DeviceError
+    from tvm_layerfuse.runtime.vta.runtime import open_device
+
+    assert open_device("sim", DEFAULT).sim.mode == "hardware"
+    assert open_device("sim-functional", DEFAULT).sim.mode == "functional"
+    with pytest.raises(DeviceError, match="expected 'sim', 'sim-functional', 'board'"):
+        open_device("fsim", DEFAULT)
+    with pytest.raises(ValueError, match="simulator mode 'tsim' is unknown"):
+        Simulator(DEFAULT, mode="tsim")
