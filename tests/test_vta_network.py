@@ -1,4 +1,4 @@
-"""Whole networks on VTA: simulator bit-exact with the numpy int8 reference, fusion gain, accuracy."""
+"""Whole networks on VTA: the simulator in hardware mode bit-exact with the numpy int8 reference, fusion gain, accuracy."""
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ def _check_bit_exact(b, feeds):
         ref = reference(compiled.graph, b.quantization, feeds, trace=trace)
         from tvm_layerfuse.compile.vta.executor import execute
 
-        run = execute(compiled, feeds, trace=True)
+        run = execute(compiled, feeds, trace=True, device="sim")  # the hardware mode: what VTA executes
         for name, value in trace.items():  # every int8 tensor a VTA op produced
             np.testing.assert_array_equal(run.ints[name], value, err_msg=name)
         for name in compiled.graph.outputs:
