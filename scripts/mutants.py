@@ -136,7 +136,7 @@ MUTANTS = [
     dict(
         id="vta-activation-before-residual",
         area="epilogue order",
-        file="tvm_layerfuse/vta/graph.py",
+        file="tvm_layerfuse/compile/vta/graph.py",
         original='if seen_act or e.role == "post_add":',
         replacement='if e.role == "residual" and seen_act:',
         tests=[VTA_NET + "test_activation_before_residual_runs_its_own_layers_on_the_host"],
@@ -144,7 +144,7 @@ MUTANTS = [
     dict(
         id="vta-post-add-host-form",
         area="epilogue order",
-        file="tvm_layerfuse/vta/graph.py",
+        file="tvm_layerfuse/compile/vta/graph.py",
         original='if "post_add" in roles:  # the planner\'s name for an Add after the activation',
         replacement="if False:",
         tests=[VTA_NET + "test_activation_before_residual_runs_its_own_layers_on_the_host"],
@@ -271,7 +271,7 @@ MUTANTS = [
         id="vta-rounding-constant",
         area="VTA quantization",
         why="issue 23 survivor 4a: the requantization rounding constant one bit off",
-        file="tvm_layerfuse/vta/quantize.py",
+        file="tvm_layerfuse/compile/vta/quantize.py",
         original="r = np.where(shift > 0, np.left_shift(1, np.maximum(shift - 1, 0)), 0)",
         replacement="r = np.where(shift > 0, np.left_shift(1, np.maximum(shift - 2, 0)), 0)",
         tests=[REQUANT],
@@ -280,7 +280,7 @@ MUTANTS = [
         id="vta-output-clamp-126",
         area="VTA quantization",
         why="issue 23 survivor 4b: int8 clamp at 126",
-        file="tvm_layerfuse/vta/quantize.py",
+        file="tvm_layerfuse/compile/vta/quantize.py",
         original="lo, hi = -128, 127",
         replacement="lo, hi = -128, 126",
         tests=[REQUANT],
@@ -288,7 +288,7 @@ MUTANTS = [
     dict(
         id="vta-input-clamp",
         area="VTA quantization",
-        file="tvm_layerfuse/vta/numerics.py",
+        file="tvm_layerfuse/runtime/vta/numerics.py",
         original="* 2.0**f + 0.5), -128, 127)",
         replacement="* 2.0**f + 0.5), -127, 127)",
         tests=[REQUANT],
@@ -296,7 +296,7 @@ MUTANTS = [
     dict(
         id="vta-bias-rounding",
         area="VTA quantization",
-        file="tvm_layerfuse/vta/quantize.py",
+        file="tvm_layerfuse/compile/vta/quantize.py",
         original="b_q = np.floor(op.bias * 2.0 ** big_f.astype(np.float64) + 0.5).astype(np.int64) + r",
         replacement="b_q = np.floor(op.bias * 2.0 ** big_f.astype(np.float64)).astype(np.int64) + r",
         tests=[REQUANT],
@@ -304,7 +304,7 @@ MUTANTS = [
     dict(
         id="vta-residual-alignment",
         area="VTA quantization",
-        file="tvm_layerfuse/vta/quantize.py",
+        file="tvm_layerfuse/compile/vta/quantize.py",
         original="res_shift = big_f - q.frac[op.residual] if op.residual else np.zeros_like(big_f)",
         replacement="res_shift = big_f - q.frac[op.residual] - 1 if op.residual else np.zeros_like(big_f)",
         tests=[VTA_NET + "test_int8_close_to_fp32"],
@@ -312,7 +312,7 @@ MUTANTS = [
     dict(
         id="vta-codegen-relu-bound",
         area="VTA codegen",
-        file="tvm_layerfuse/vta/codegen.py",
+        file="tvm_layerfuse/compile/vta/codegen.py",
         original="step[\"compute\"].append(_alu(isa.ALU_MAX, uop, iter_out, iter_in, dst_out=dst_out, imm=lo))",
         replacement="step[\"compute\"].append(_alu(isa.ALU_MAX, uop, iter_out, iter_in, dst_out=dst_out, imm=lo + 1))",
         tests=[REQUANT],
@@ -320,7 +320,7 @@ MUTANTS = [
     dict(
         id="vta-codegen-shift-segment",
         area="VTA codegen",
-        file="tvm_layerfuse/vta/codegen.py",
+        file="tvm_layerfuse/compile/vta/codegen.py",
         original="shift_phys[rows] = p.shift[seg.c0 : seg.c1]",
         replacement="shift_phys[rows] = p.shift[0 : seg.c1 - seg.c0]",
         tests=[VTA_NET + "test_inception_style_bit_exact_with_in_place_concat"],
