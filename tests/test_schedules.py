@@ -220,6 +220,29 @@ def _conv_module(target: dict = NEON):
         return tvm.transform.Sequential(passes)(bb.get()), tgt
 
 
+def test_a_wrapper_around_a_library_call_is_left_as_written():
+    """TIR without blocks (the oneDNN tactic's in-place conv wrapper: one ``call_packed``) is
+    not a loop nest: no rule, and not counted as unscheduled."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from tvm_layerfuse.compile.schedules import ApplySchedules
+
+    @T.prim_func(private=True)
+    def wrap(x: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):
+        T.call_packed("layerfuse.test.copy", x, y)
+
+    mod = tvm.IRModule({"wrap": wrap})
+    tgt = tvm.target.Target({"kind": "llvm"})
+    apply = ApplySchedules(tgt)
+    with tgt:
+        out = apply(mod)
+    tvm.ir.assert_structural_equal(out["wrap"], wrap)
+    report = apply.report.to_dict()
+    assert report["kernels"]["wrap"]["rule"] == "library call (no loop nest)"
+    assert report["unscheduled"] == [] and report["total"] == 0
+
+
 def test_a_tuned_kernel_keeps_its_schedule():
     """A kernel MetaSchedule's database scheduled (``tirx.is_scheduled``) is left as it is and
     reported as tuned; the others get a rule. The database pass runs first in the pipeline."""

@@ -6,6 +6,7 @@ which rule gave it.
     for each PrimFunc (after FuseTIR and the layerfuse lowering passes):
       tuned by MetaSchedule (``tirx.is_scheduled``, set by MetaScheduleApplyDatabase)  -> kept
       a reshape (RewriteDataflowReshape turns it into a view, no kernel)               -> kept
+      TIR without blocks (a wrapper around a library call)                             -> kept
       else the first rule that applies, in order:
         conv2d -> dense -> pool/reduction -> dlight.cpu.Reduction -> injective -> generic
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 RULES: tuple[Rule, ...] = (Conv2D(), Dense(), Reduction(), DlightReduction(), Injective(), Generic())
 TUNED = "metaschedule"  # the rule name of a kernel a tuning database scheduled
 VIEW = "reshape (a view, no kernel)"
+CALL = "library call (no loop nest)"  # a TIR wrapper around a packed call (the oneDNN tactic's in-place conv)
 
 
 @dataclasses.dataclass
@@ -74,7 +76,7 @@ class ScheduleReport:
         return dict(sorted(out.items()))
 
     def to_dict(self) -> dict[str, Any]:
-        kernels = [v for v in self.kernels.values() if v.rule != VIEW]
+        kernels = [v for v in self.kernels.values() if v.rule not in (VIEW, CALL)]
         return {
             "isa": self.isa,
             "lanes": self.lanes,
@@ -94,6 +96,18 @@ def _is_view(func: tirx.PrimFunc) -> bool:
         return bool(relax.analysis.has_reshape_pattern(func))
     except Exception:  # noqa: BLE001 - not a reshape then
         return False
+
+
+def _has_blocks(func: tirx.PrimFunc) -> bool:
+    """The function is a block nest (what schedules work on), not TIR written by hand without
+    blocks (a wrapper around a packed call)."""
+    from tvm import s_tir
+
+    try:
+        s_tir.Schedule(func).get_sblock("root", func_name="main")
+    except Exception:  # noqa: BLE001 - TVM's ScheduleError: no root block
+        return False
+    return True
 
 
 def schedule_kernel(func: tirx.PrimFunc, params: CPUParams, target, rules: Sequence[Rule] = RULES):
@@ -133,6 +147,9 @@ class ApplySchedules:
                 rule, new = TUNED, func
             elif _is_view(func):
                 self.report.kernels[name] = KernelSchedule(VIEW)
+                continue
+            elif not _has_blocks(func):
+                self.report.kernels[name] = KernelSchedule(CALL)
                 continue
             else:
                 new, rule = schedule_kernel(func, params, target, self.rules)
