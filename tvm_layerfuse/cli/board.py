@@ -61,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bp = start_server(
                 host=args.host, port=args.port, tracker=args.tracker, key=args.key,
                 load_library=":".join(filter(None, [args.load_library, *environment_vendor_libraries()])) or None,
-                module="tvm_layerfuse.vta.rpc_server" if args.vta else "tvm.exec.rpc_server",
+                module="tvm_layerfuse.runtime.vta.rpc_server" if args.vta else "tvm.exec.rpc_server",
             )
     except LayerfuseError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -63,11 +63,9 @@ PACKAGES = ("tvm", "tvm_ffi", "ml_dtypes", "typing_extensions", "cloudpickle", "
 # that none of them imports the compiler).
 RUNTIME_PACKAGE = "runtime"
 LOADER = ("__init__.py", "errors.py", "cli/__init__.py", "cli/run.py")
-# The runtime side of the VTA target (numpy + TVM's runtime): what runtime.load needs for a vta
-# artifact, and the board's server (python -m tvm_layerfuse.vta.rpc_server).
-VTA_RUNTIME = tuple(
-    f"vta/{m}.py" for m in ("__init__", "runtime", "rpc_server", "sim", "isa", "encoding", "config", "layout", "host", "numerics")
-)
+# The runtime side of the VTA target (numpy + TVM's runtime: what runtime.load needs for a vta
+# artifact, and the board's server, python -m tvm_layerfuse.runtime.vta.rpc_server) is
+# runtime/vta/, part of the runtime package.
 WHEELS = {
     "tvm": "apache-tvm=={tvm}",
     "tvm_ffi": "apache-tvm-ffi=={ffi}",
@@ -141,7 +139,7 @@ def make_bundle(
         copy_vendor_libraries(manifest, tmp / "artifact", machine=machine, artifact_dir=artifact_dir)
         _write(tmp / "run.py", RUN_PY, executable=True)
         vta = manifest["target"].get("device") == "vta"  # its server runs the VTA runtime (simulator)
-        server = "tvm_layerfuse.vta.rpc_server" if vta else "tvm.exec.rpc_server"
+        server = "tvm_layerfuse.runtime.vta.rpc_server" if vta else "tvm.exec.rpc_server"
         _write(tmp / "rpc_server.sh", RPC_SH.replace("{server}", server), executable=True)
         _write(
             tmp / "README.txt",
@@ -156,14 +154,14 @@ def make_bundle(
 
 
 def copy_runtime(site: Path) -> Path:
-    """Copy tvm_layerfuse's runtime side (``RUNTIME_PACKAGE``, ``LOADER``, ``VTA_RUNTIME``) into
+    """Copy tvm_layerfuse's runtime side (``RUNTIME_PACKAGE`` with the VTA runtime, ``LOADER``) into
     ``site/tvm_layerfuse``; with ``site`` on ``PYTHONPATH`` a runtime-only Python can load any
-    artifact and serve vta ones (``python -m tvm_layerfuse.vta.rpc_server``). Returns the package."""
+    artifact and serve vta ones (``python -m tvm_layerfuse.runtime.vta.rpc_server``). Returns the package."""
     pkg = Path(site) / "tvm_layerfuse"
     pkg.mkdir()
     here = Path(__file__).resolve().parents[1]
     shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in LOADER + VTA_RUNTIME:
+    for name in LOADER:
         (pkg / name).parent.mkdir(exist_ok=True)
         shutil.copy2(here / name, pkg / name)
     return pkg

@@ -27,7 +27,7 @@ What happens, in order (every step that waits on the network has a deadline):
 A ``vta`` artifact (target device ``vta``): step 3 checks the board's machine against its host
 library's (``host.so``, the TVM-compiled host steps); step 4 uploads its VTA files and
 calls the VTA runtime that the board's server registers (``python -m
-tvm_layerfuse.vta.rpc_server``; see :mod:`tvm_layerfuse.vta.rpc_server`); the result also holds
+tvm_layerfuse.runtime.vta.rpc_server``; see :mod:`tvm_layerfuse.runtime.vta.rpc_server`); the result also holds
 VTA's counters. A server without that runtime is refused before anything runs.
 
 TVM's RPC client is C++ and blocks without a deadline (connect, every call), so steps
@@ -191,7 +191,7 @@ def deploy(
 
 def _vta_files(path: Path, manifest: dict[str, Any]) -> dict[str, str]:
     """The files a VTA board loads, with their checksums (the manifest's ``files``)."""
-    from ..vta.runtime import FILES, HOST_LIBRARY, MANIFEST
+    from ..runtime.vta.runtime import FILES, HOST_LIBRARY, MANIFEST
 
     names = (MANIFEST, *FILES) + ((HOST_LIBRARY,) if HOST_LIBRARY in manifest["files"] else ())
     return {name: manifest["files"][name] for name in names}

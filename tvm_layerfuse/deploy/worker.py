@@ -196,11 +196,11 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
         gc.collect()
 
 
-VTA_SERVER = "python -m tvm_layerfuse.vta.rpc_server"
+VTA_SERVER = "python -m tvm_layerfuse.runtime.vta.rpc_server"
 
 
 def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
-    """A VTA artifact: its files go to the board's VTA runtime (:mod:`tvm_layerfuse.vta.rpc_server`),
+    """A VTA artifact: its files go to the board's VTA runtime (:mod:`tvm_layerfuse.runtime.vta.rpc_server`),
     which runs the programs on its device (simulator or VTA) and the host steps in the
     artifact's TVM-compiled ``host.so`` (built for the board's machine: checked first)."""
     import gc
