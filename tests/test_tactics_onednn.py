@@ -392,16 +392,21 @@ def test_differential_fuzzing_covers_the_tactic_choice_widely(case):
     _differential(case)
 
 
-def test_deploy_refuses_an_artifact_with_a_tactic_library_before_uploading(tmp_path):
+def test_deploy_checks_the_tactic_library_entries_before_uploading(tmp_path):
+    """deploy uploads an artifact's tactic library (tests/test_onednn_shipping.py runs it); an
+    entry that names no file of the artifact is refused here, before anything is uploaded."""
     import shutil
 
-    from tvm_layerfuse.deploy.inputs import check_library
+    from tvm_layerfuse.deploy.inputs import check_library, tactic_entries
 
     shutil.copyfile(sys.executable, tmp_path / "model.so")  # any x86_64 ELF
-    manifest = {"library": "model.so", "target": {"machine": "x86_64"}, "tactics": {"libraries": []}}
+    entry = {"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL}
+    manifest = {"library": "model.so", "target": {"machine": "x86_64"}, "files": {"model.so": "0", onednn.LIBRARY_FILE: "1"},
+                "tactics": {"libraries": [entry]}}  # fmt: skip
     check_library(tmp_path, manifest)
-    manifest["tactics"]["libraries"] = [{"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME]}]
+    assert tactic_entries(tmp_path, manifest) == [{**entry, "sha256": "1"}]
+    del manifest["files"][onednn.LIBRARY_FILE]
     with pytest.raises(ArtifactError) as e:
         check_library(tmp_path, manifest)
     msg = str(e.value)
-    assert "\n" not in msg and onednn.LIBRARY_FILE in msg and "--tactics tvm" in msg and "nothing was uploaded" in msg
+    assert "\n" not in msg and onednn.LIBRARY_FILE in msg and "re-run `compile`" in msg
