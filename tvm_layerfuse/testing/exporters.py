@@ -575,3 +575,136 @@ BUILDERS: dict[str, Callable[..., onnx.ModelProto]] = {
     "fpn_segmentation": fpn_segmentation,
 }
 """Every builder by name; each compiles with ``--input-shape input=1,3,IMAGE,IMAGE``."""
+
+
+# ---------------------------------------------------------------------- Paddle2ONNX style
+# Paddle2ONNX writes the shapes Paddle computes as int32 tensors (``paddle.shape`` and
+# ``fill_constant`` are int32) and casts them to int64 where an ONNX op reads them; it
+# writes Paddle's operand order (``paddle.add(identity, x)``, ``paddle.multiply(x,
+# gate)``), keeps BatchNorm apart from bias-free convs, uses Paddle's HardSigmoid (slope
+# 0.2), writes Linear as ``MatMul + Add`` and names nodes ``p2o.<Op>.<k>``. Its declared
+# output shapes keep symbolic dims (``p2o.DynamicDimension.<k>``) even for fixed inputs.
+
+
+class _Paddle(_Shapes):
+    """Paddle2ONNX's shape arithmetic: int32 shapes, ``Cast`` to int64 where ONNX reads them."""
+
+    def const32(self, value) -> str:
+        return self.const(value, np.int32)
+
+    def cast(self, x: str, to: int) -> str:
+        return self.b.node("Cast", [x], [self.b.shapes[x]], to=to)[0]
+
+    def shape32(self, x: str) -> str:
+        """``paddle.shape(x)``: ``Shape -> Cast(int32)``."""
+        return self.cast(self.shape(x), TensorProto.INT32)
+
+    def piece(self, shape32: str, k: int) -> str:
+        """``shape[k:k+1]`` (int32, one element)."""
+        return self.b.node("Slice", [shape32, self.const32([k]), self.const32([k + 1]), self.const32([0])], [(1,)])[0]
+
+    def target(self, pieces: Sequence) -> str:
+        """A Reshape target from int32 pieces (names) and ints (``fill_constant`` int32
+        tensors): ``Concat`` in int32, then ``Cast`` to int64."""
+        parts = [p if isinstance(p, str) else self.const32([int(p)]) for p in pieces]
+        cat = self.b.node("Concat", parts, [(len(parts),)], axis=0)[0]
+        return self.cast(cat, TensorProto.INT64)
+
+
+def p2o_names(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Paddle2ONNX's node names: ``p2o.<Op>.<k>`` numbered per op type, in graph order."""
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        k = counts.get(node.op_type, 0)
+        counts[node.op_type] = k + 1
+        node.name = f"p2o.{node.op_type}.{k}"
+    return model
+
+
+def _p2o_declared_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every graph output's dims symbolic, as Paddle2ONNX declares them."""
+    k = 0
+    for vi in model.graph.output:
+        for d in vi.type.tensor_type.shape.dim:
+            d.ClearField("dim_value")
+            d.dim_param = f"p2o.DynamicDimension.{k}"
+            k += 1
+    return model
+
+
+def _p2o_hardswish(b: NetBuilder, x: str) -> str:
+    """Paddle2ONNX's hardswish: the op from opset 14, ``x * HardSigmoid(x)`` below."""
+    return hardswish(b, x, "op" if b.opset >= 14 else "hardsigmoid_mul")
+
+
+def _p2o_block(b: NetBuilder, x: str, *, k: int, exp: int, cout: int, stride: int, se: bool, act: str) -> str:
+    """PaddleOCR's MobileNetV3 ResidualUnit: [expand 1x1-BN-act] -> depthwise kxk-BN-act ->
+    [SE: pool -> 1x1 -> ReLU -> 1x1 -> HardSigmoid(0.2, 0.5) -> ``Mul(x, gate)``] ->
+    1x1-BN -> [``Add(identity, x)``]."""
+    cin = b.shapes[x][1]
+    activation = b.relu if act == "relu" else (lambda y: _p2o_hardswish(b, y))
+
+    def cbn(y, c, kernel, stride=1, groups=1, a=True):
+        y = b.conv_bn(y, c, kernel, stride=stride, pad=(kernel - 1) // 2, groups=groups, conv_scope="conv", bn_scope="bn")
+        return activation(y) if a else y
+
+    y = cbn(x, exp, 1) if exp != cin else x
+    y = cbn(y, exp, k, stride=stride, groups=exp)
+    if se:
+        with b.scope("mid_se"):
+            s = b.global_avgpool(y)
+            with b.scope("conv1"):
+                s = b.relu(b.conv(s, max(exp // 4, 8), 1))
+            with b.scope("conv2"):
+                s = b.conv(s, exp, 1)
+            s = b.node("HardSigmoid", [s], [b.shapes[s]], alpha=0.2, beta=0.5)[0]
+            y = b.mul(y, s)
+    y = cbn(y, cout, 1, a=False)
+    if stride == 1 and cin == cout:
+        y = b.add(x, y)
+    return y
+
+
+# (kernel, expanded, out, se, activation, stride): PaddleOCR's MobileNetV3 "small" at scale 0.35
+P2O_BLOCKS = (
+    (3, 16, 8, True, "relu", 2),
+    (3, 24, 8, False, "relu", 1),
+    (3, 32, 16, False, "relu", 2),
+    (5, 48, 16, True, "hardswish", 1),
+    (5, 48, 16, True, "hardswish", 1),
+    (5, 64, 24, True, "hardswish", 2),
+    (5, 96, 24, True, "hardswish", 1),
+)
+
+
+def p2o_text_direction_classifier(
+    *, batch: int = 1, image: int = 32, seed: int = 0, opset: int = 13, num_classes: int = 2
+) -> onnx.ModelProto:
+    """A PaddleOCR text-direction classifier (MobileNetV3-small backbone) as Paddle2ONNX
+    writes it: bias-free convs + BatchNorm, HardSwish, SE gates with Paddle's HardSigmoid,
+    ``Add(identity, x)`` residuals; head ``GlobalAveragePool -> Reshape([0, -1])`` whose
+    target is int32 ``fill_constant`` s cast to int64 and concatenated (no ``Shape`` op:
+    shape inference leaves its dims unknown), ``MatMul + Add``, ``Softmax``. The output is
+    declared ``[p2o.DynamicDimension.0, p2o.DynamicDimension.1]``. Input ``[N, 3, image,
+    2*image]`` (a text line)."""
+    check_options(opset=opset, bn="separate", batch=batch, image=image)
+    b = NetBuilder("p2o_text_direction_classifier", seed=seed, opset=opset, bn="separate", quirks=False)
+    x = b.input("input", (batch, 3, image, 2 * image))
+    p = _Paddle(b)
+    with b.scope("conv1"):
+        x = _p2o_hardswish(b, b.conv_bn(x, 8, 3, stride=2, pad=1, conv_scope="conv", bn_scope="bn"))
+    for i, (k, exp, cout, se, act, stride) in enumerate(P2O_BLOCKS):
+        with b.scope(f"stage{i}"):
+            x = _p2o_block(b, x, k=k, exp=exp, cout=cout, stride=stride, se=se, act=act)
+    with b.scope("last_conv"):
+        x = _p2o_hardswish(b, b.conv_bn(x, 96, 1, conv_scope="conv", bn_scope="bn"))
+    x = b.global_avgpool(x)
+    n, c = b.shapes[x][:2]
+    flat = p.reshape(x, p.target([0, -1]), (n, c))
+    with b.scope("fc"):
+        w = b.param("w_0", (b.rng.standard_normal((c, num_classes)) / np.sqrt(c)).astype(np.float32))
+        bias = b.param("b_0", b.uniform_bias(num_classes, c))
+        logits = b.add(b.node("MatMul", [flat, w], [(n, num_classes)])[0], bias)
+    out = b.node("Softmax", [logits], [(n, num_classes)], axis=-1)[0]
+    model = b.build({"output": out}, doc="p2o_text_direction_classifier")
+    return _p2o_declared_outputs(p2o_names(dynamic_batch(model)))
