@@ -603,12 +603,26 @@ class _Paddle(_Shapes):
         """``shape[k:k+1]`` (int32, one element)."""
         return self.b.node("Slice", [shape32, self.const32([k]), self.const32([k + 1]), self.const32([0])], [(1,)])[0]
 
-    def target(self, pieces: Sequence) -> str:
+    def target(self, pieces: Sequence, *, cast: str = "after") -> str:
         """A Reshape target from int32 pieces (names) and ints (``fill_constant`` int32
-        tensors): ``Concat`` in int32, then ``Cast`` to int64."""
+        tensors). ``cast="after"``: ``Concat`` in int32, then one ``Cast`` to int64 (a
+        ``reshape2`` with a constant shape list); ``cast="each"``: every piece ``Cast`` to
+        int64, then ``Concat`` (a ``reshape2`` with a ``ShapeTensor`` list)."""
         parts = [p if isinstance(p, str) else self.const32([int(p)]) for p in pieces]
+        if cast == "each":
+            parts = [self.cast(p, TensorProto.INT64) for p in parts]
+            return self.b.node("Concat", parts, [(len(parts),)], axis=0)[0]
         cat = self.b.node("Concat", parts, [(len(parts),)], axis=0)[0]
         return self.cast(cat, TensorProto.INT64)
+
+    def linear(self, x: str, cout: int) -> str:
+        """``paddle.nn.Linear``: ``MatMul(x, W[in, out]) + b``."""
+        b = self.b
+        cin = b.shapes[x][-1]
+        w = b.param("w_0", (b.rng.standard_normal((cin, cout)) / np.sqrt(cin)).astype(np.float32))
+        bias = b.param("b_0", b.uniform_bias(cout, cin))
+        y = b.node("MatMul", [x, w], [tuple(b.shapes[x][:-1]) + (cout,)])[0]
+        return b.add(y, bias)
 
 
 def p2o_names(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -702,9 +716,56 @@ def p2o_text_direction_classifier(
     n, c = b.shapes[x][:2]
     flat = p.reshape(x, p.target([0, -1]), (n, c))
     with b.scope("fc"):
-        w = b.param("w_0", (b.rng.standard_normal((c, num_classes)) / np.sqrt(c)).astype(np.float32))
-        bias = b.param("b_0", b.uniform_bias(num_classes, c))
-        logits = b.add(b.node("MatMul", [flat, w], [(n, num_classes)])[0], bias)
+        logits = p.linear(flat, num_classes)
     out = b.node("Softmax", [logits], [(n, num_classes)], axis=-1)[0]
     model = b.build({"output": out}, doc="p2o_text_direction_classifier")
+    return _p2o_declared_outputs(p2o_names(dynamic_batch(model)))
+
+
+def p2o_text_recognizer(
+    *, batch: int = 1, image: int = 32, seed: int = 0, opset: int = 13, num_classes: int = 12, width: int = 16
+) -> onnx.ModelProto:
+    """A CRNN/SVTR-style text recognizer as Paddle2ONNX writes it. Input ``[N, 3, image,
+    2*image]``.
+
+    Conv-BN-HardSwish/2 x2 -> ``flatten(2).transpose([0, 2, 1])`` to a sequence ``[N, HW,
+    C]`` (target ``[n, c, -1]`` from ``paddle.shape`` pieces, each cast to int64: the
+    ``-1`` is an int32 ``fill_constant`` cast on its own) -> mixer ``x + fc2(hardswish(
+    fc1(x)))`` -> back to ``[N, C, H, W]`` (a target from ``paddle.shape`` of the sequence
+    and the feature map's ``H``) -> Conv-BN-HardSwish -> ``AveragePool`` over the height ->
+    ``Squeeze`` -> ``Transpose`` to ``[N, T, C]`` -> CTC head ``MatMul + Add`` ->
+    ``Softmax``. Output ``[N, T, num_classes]``, declared with symbolic dims."""
+    check_options(opset=opset, bn="separate", batch=batch, image=image)
+    if image % 4:
+        raise ValueError(f"image={image}; expected a multiple of 4 (the recognizer downsamples 4x)")
+    b = NetBuilder("p2o_text_recognizer", seed=seed, opset=opset, bn="separate", quirks=False)
+    x = b.input("input", (batch, 3, image, 2 * image))
+    p = _Paddle(b)
+    c = width
+    with b.scope("conv1"):
+        x = _p2o_hardswish(b, b.conv_bn(x, c, 3, stride=2, pad=1, conv_scope="conv", bn_scope="bn"))
+    with b.scope("conv2"):
+        x = _p2o_hardswish(b, b.conv_bn(x, 2 * c, 3, stride=2, pad=1, conv_scope="conv", bn_scope="bn"))
+    n, ch, h, w = b.shapes[x]
+    shp = p.shape32(x)
+    flat = p.reshape(x, p.target([p.piece(shp, 0), p.piece(shp, 1), -1], cast="each"), (n, ch, h * w))
+    seq = b.node("Transpose", [flat], [(n, h * w, ch)], perm=[0, 2, 1])[0]
+    with b.scope("mixer"):
+        with b.scope("fc1"):
+            y = _p2o_hardswish(b, p.linear(seq, 2 * ch))
+        with b.scope("fc2"):
+            y = p.linear(y, ch)
+        seq = b.add(seq, y)
+    back = b.node("Transpose", [seq], [(n, ch, h * w)], perm=[0, 2, 1])[0]
+    sshp = p.shape32(seq)  # the sequence's shape: known only once the first target is folded
+    img = p.reshape(back, p.target([p.piece(sshp, 0), p.piece(sshp, 2), h, -1], cast="each"), (n, ch, h, w))
+    with b.scope("conv3"):
+        y = _p2o_hardswish(b, b.conv_bn(img, 2 * ch, 1, conv_scope="conv", bn_scope="bn"))
+    y = b.node("AveragePool", [y], [(n, 2 * ch, 1, w)], kernel_shape=[h, 1], strides=[h, 1], pads=[0, 0, 0, 0])[0]
+    y = b.node("Squeeze", [y, p.const([2])], [(n, 2 * ch, w)])[0]
+    y = b.node("Transpose", [y], [(n, w, 2 * ch)], perm=[0, 2, 1])[0]
+    with b.scope("head", "fc"):
+        logits = p.linear(y, num_classes)
+    out = b.node("Softmax", [logits], [(n, w, num_classes)], axis=2)[0]
+    model = b.build({"output": out}, doc="p2o_text_recognizer")
     return _p2o_declared_outputs(p2o_names(dynamic_batch(model)))
