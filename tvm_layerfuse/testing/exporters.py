@@ -769,3 +769,96 @@ def p2o_text_recognizer(
     out = b.node("Softmax", [logits], [(n, w, num_classes)], axis=2)[0]
     model = b.build({"output": out}, doc="p2o_text_recognizer")
     return _p2o_declared_outputs(p2o_names(dynamic_batch(model)))
+
+
+def p2o_db_detector(
+    *,
+    batch: int = 1,
+    image: int = 64,
+    seed: int = 0,
+    opset: int = 13,
+    inner: int = 16,
+    head: int = 4,
+    neck: str = "rse",
+) -> onnx.ModelProto:
+    """A PaddleOCR DB text detector as Paddle2ONNX writes it. Input ``[N, 3, image, image]``.
+
+    Backbone: Conv-BN-HardSwish/2, the :data:`P2O_BLOCKS` residual units (features at
+    strides 4, 8, 16) and a last stride-2 unit (stride 32). DBFPN: bias-free 1x1 ``in``
+    convs, ``out = in + Resize(up, x2, nearest)`` top-down, bias-free 3x3 ``p`` convs,
+    each upsampled to stride 4 (``Resize`` x8/x4/x2) and concatenated. ``neck="rse"``
+    (PP-OCRv3's RSEFPN): every ``in``/``p`` conv is a residual squeeze-and-excitation layer,
+    ``x + x * hardsigmoid(conv2(relu(conv1(pool(x)))))`` with ``x`` the bias-free conv. DBHead: 3x3
+    Conv-BN-ReLU -> ConvTranspose 2x2/2-BN-ReLU -> ConvTranspose 2x2/2 -> Sigmoid.
+    Output ``[N, 1, image, image]``, declared with symbolic dims."""
+    check_options(opset=opset, bn="separate", batch=batch, image=image)
+    if neck not in ("fpn", "rse"):
+        raise ValueError(f"neck={neck!r}; expected 'fpn' or 'rse'")
+    if image % 32:
+        raise ValueError(f"image={image}; expected a multiple of 32 (the detector downsamples 32x)")
+    b = NetBuilder("p2o_db_detector", seed=seed, opset=opset, bn="separate", quirks=False)
+    x = b.input("input", (batch, 3, image, image))
+    with b.scope("conv1"):
+        x = _p2o_hardswish(b, b.conv_bn(x, 8, 3, stride=2, pad=1, conv_scope="conv", bn_scope="bn"))
+    feats = []
+    blocks = list(P2O_BLOCKS) + [(5, 96, 32, True, "hardswish", 2), (5, 128, 32, True, "hardswish", 1)]
+    for i, (k, exp, cout, se, act, stride) in enumerate(blocks):
+        if stride == 2 and i > 0:
+            feats.append(x)
+        with b.scope(f"stage{i}"):
+            x = _p2o_block(b, x, k=k, exp=exp, cout=cout, stride=stride, se=se, act=act)
+    feats.append(x)  # strides 4, 8, 16, 32
+
+    def up(y: str, factor: int) -> str:
+        nb, c, h, w = b.shapes[y]
+        scales = b.constant(np.array([1, 1, factor, factor], np.float32), node=True)
+        return b.node("Resize", [y, "", scales], [(nb, c, factor * h, factor * w)], mode="nearest",
+                      coordinate_transformation_mode="asymmetric", nearest_mode="floor")[0]  # fmt: skip
+
+    def rse(y: str, cout: int, k: int) -> str:
+        """RSELayer: ``x = in_conv(y); x + x * SE(x)`` (PaddleOCR's SEModule, reduction 4)."""
+        with b.scope("in_conv"):
+            x = b.conv(y, cout, k, pad=k // 2, bias=False)
+        if neck == "fpn":
+            return x
+        with b.scope("se_block"):
+            s = b.global_avgpool(x)
+            with b.scope("conv1"):
+                s = b.relu(b.conv(s, max(cout // 4, 1), 1))
+            with b.scope("conv2"):
+                s = b.conv(s, cout, 1)
+            s = b.node("HardSigmoid", [s], [b.shapes[s]], alpha=0.2, beta=0.5)[0]
+            gated = b.mul(x, s)
+        return b.add(x, gated)
+
+    with b.scope("neck"):
+        ins = []
+        for i, f in enumerate(feats):
+            with b.scope("ins_conv", i):
+                ins.append(rse(f, inner, 1))
+        outs = [ins[3]]
+        for lvl in (2, 1, 0):
+            outs.insert(0, b.add(ins[lvl], up(outs[0], 2)))
+        ps = []
+        for i, o in enumerate(outs):
+            with b.scope("inp_conv", i):
+                ps.append(rse(o, inner // 4, 3))
+        fuse = b.concat([up(ps[3], 8), up(ps[2], 4), up(ps[1], 2), ps[0]])
+
+    def deconv(y: str, cout: int) -> str:
+        nb, cin, h, w = b.shapes[y]
+        wgt = b.param("weight", b.he_weight(cin, cout, 2, 2))  # ConvTranspose: [C_in, C_out, kh, kw]
+        bias = b.param("bias", b.uniform_bias(cout, cin * 4))
+        return b.node("ConvTranspose", [y, wgt, bias], [(nb, cout, 2 * h, 2 * w)], kernel_shape=[2, 2],
+                      strides=[2, 2], pads=[0, 0, 0, 0], dilations=[1, 1], group=1)[0]  # fmt: skip
+
+    with b.scope("head", "binarize"):
+        with b.scope("conv1"):
+            y = b.relu(b.conv_bn(fuse, head, 3, pad=1, conv_scope="conv", bn_scope="bn"))
+        with b.scope("conv2"):
+            y = b.relu(b.batchnorm(deconv(y, head)))
+        with b.scope("conv3"):
+            y = deconv(y, 1)
+        out = b.sigmoid(y)
+    model = b.build({"output": out}, doc="p2o_db_detector")
+    return _p2o_declared_outputs(p2o_names(dynamic_batch(model)))
