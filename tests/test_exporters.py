@@ -301,3 +301,52 @@ def test_p2o_recognizer_shape_arithmetic_folds_completely(tmp_path):
     assert graph.tensor(graph.outputs[0]).shape == (1, 2 * IMAGE // 4, 12)
     expected, outs = _compile_and_run(tmp_path, "p2o_rec", model, P2O_SHAPE, seed=1)
     _assert_equal(expected, outs)
+
+
+def test_p2o_db_detector_plan_is_carried_out_as_planned(tmp_path):
+    """PP-OCRv3's RSEFPN ``x + x * gate``: the gate merges into the SE's conv, and the
+    residual add is refused there with its reason (a fused conv takes one extra input); it
+    was planned as a second merge that the Relax passes could not carry out ("plan/Relax
+    mismatch: eltwise_merged planned 28, done 12"). Plan and program agree now, and the
+    compiled detector equals onnxruntime."""
+    from tvm_layerfuse.relax.pipeline import fuse_with_report
+
+    model = exporters.p2o_db_detector(image=32, seed=2)
+    shape = (1, 3, 32, 32)
+    result = fuse_with_report(model, input_shapes={"input": list(shape)})
+    check = result.report.plan_check
+    assert check["eltwise_merged"] == {"plan": 20, "relax": 20}, check
+    assert check["batchnorm_folded"]["plan"] == check["batchnorm_folded"]["relax"] == 29
+    refused = [r for r in result.plan.refusals if "already merges an element-wise op" in r.reason]
+    assert len(refused) == 8 and all(r.template == "eltwise.conv_epilogue" for r in refused)  # one per RSE layer
+    gates = [g for g in result.plan.groups_of("eltwise") if g.details["op"] == "gate"]
+    assert len(gates) == 8 + 7  # the RSE layers' and the backbone's SE gates
+    expected, outs = _compile_and_run(tmp_path, "p2o_db", model, shape, seed=1)
+    _assert_equal(expected, outs)
+
+
+def test_plan_relax_mismatch_is_an_error_or_a_corrected_plan(monkeypatch):
+    """The safety net: when the Relax passes group none of the planned element-wise merges,
+    strict mode (the test suite) raises naming them; otherwise they become refusals with the
+    reason, so the plan describes the compiled program."""
+    import dataclasses
+
+    from tvm_layerfuse.relax import pipeline
+    from tvm_layerfuse.relax.pipeline import STRICT_PLAN_ENV, PlanMismatchError, fuse_with_report
+
+    real = pipeline.FuseConv2DEpilogue
+
+    def without_extra_inputs(*, plan_spec):  # the pass told that no conv merges an element-wise op
+        return real(plan_spec={w: dataclasses.replace(s, residual=None) for w, s in plan_spec.items()})
+
+    monkeypatch.setattr(pipeline, "FuseConv2DEpilogue", without_extra_inputs)
+    model = exporters.p2o_text_direction_classifier(image=IMAGE, seed=3)
+    shapes = {"input": list(P2O_SHAPE)}
+    with pytest.raises(PlanMismatchError, match=r"eltwise_merged planned 9, done 0; not carried out: .* into conv 'p2o"):
+        fuse_with_report(model, input_shapes=shapes)
+    monkeypatch.setenv(STRICT_PLAN_ENV, "0")
+    result = fuse_with_report(model, input_shapes=shapes)
+    assert result.report.plan_check["eltwise_merged"] == {"plan": 9, "relax": 0, "plan_dropped": 9}
+    assert not result.plan.groups_of("eltwise")
+    dropped = [r for r in result.plan.refusals if r.template == "relax.FuseConv2DEpilogue"]
+    assert len(dropped) == 9 and "the plan merges element-wise op None" in dropped[0].reason
