@@ -463,6 +463,124 @@ def yolo_like(
     return dynamic_batch(b.build({"output": out}, doc=f"yolo_like image={image} width={width}"))
 
 
+def yolov8_like(
+    *,
+    batch: int = 1,
+    image: int = 64,
+    width: int = 16,
+    depth: int = 1,
+    num_classes: int = 4,
+    reg_max: int = 16,
+    seed: int = 0,
+    opset: int = 17,
+) -> onnx.ModelProto:
+    """YOLOv8n's whole graph as ``export(format="onnx")`` writes it (``width=16``: its
+    channels 16-32-64-128-256), three levels (strides 8, 16, 32).
+
+    Backbone Conv/2, Conv/2, C2f, Conv/2, C2f (P3), Conv/2, C2f (P4), Conv/2, C2f, SPPF (P5);
+    neck: ``Resize`` x2 + ``Concat`` twice top-down (C2f after each), then Conv/2 +
+    ``Concat`` twice bottom-up (C2f after each); Detect head per level: box branch to
+    ``4 * reg_max`` channels and class branch, ``Concat``, a ``Reshape`` to ``[N, no, -1]``
+    from ``Shape``; the levels' ``Concat``, ``Split`` into box and class, DFL (``Reshape ->
+    Transpose -> Softmax -> 1x1 Conv`` with weights ``0..reg_max-1``), anchor points from
+    ``Shape``, ``dist2bbox``. Output ``[N, 4 + num_classes, A]``."""
+    b, x = _start("yolov8_like", batch=batch, image=image, seed=seed, opset=opset, bn="folded")
+    s = _Shapes(b)
+    if image % 32:
+        raise ValueError(f"image={image}; expected a multiple of 32 (the detector downsamples 32x)")
+
+    def conv(y: str, cout: int, k: int = 1, stride: int = 1, *, name) -> str:
+        with b.scope(name):
+            y = b.conv_bn(y, cout, k, stride=stride, pad=k // 2, conv_scope="conv", bn_scope="bn", eps=1e-3)
+            with b.scope("act"):
+                return b.silu(y)
+
+    def c2f(y: str, cout: int, shortcut: bool, *, name) -> str:
+        with b.scope(name):
+            c = cout // 2
+            y = conv(y, 2 * c, 1, name="cv1")
+            nb, _, h, w = b.shapes[y]
+            sizes = b.initializer(b._anon("Constant"), np.array([c, c], np.int64))
+            pieces = list(b.node("Split", [y, sizes], [(nb, c, h, w)] * 2, axis=1))
+            for i in range(depth):
+                with b.scope("m", i):
+                    z = conv(conv(pieces[-1], c, 3, name="cv1"), c, 3, name="cv2")
+                    if shortcut:
+                        z = b.add(pieces[-1], z)
+                pieces.append(z)
+            return conv(b.concat(pieces), cout, 1, name="cv2")
+
+    def upsample(y: str, *, name) -> str:
+        nb, c, h, w = b.shapes[y]
+        with b.scope(name):
+            scales = b.constant(np.array([1, 1, 2, 2], np.float32), node=True)
+            return b.node("Resize", [y, "", scales], [(nb, c, 2 * h, 2 * w)], mode="nearest",
+                          coordinate_transformation_mode="asymmetric", nearest_mode="floor")[0]  # fmt: skip
+
+    c = width
+    with b.scope("model"):
+        x = conv(conv(x, c, 3, 2, name=0), 2 * c, 3, 2, name=1)
+        x = c2f(x, 2 * c, True, name=2)
+        p3 = c2f(conv(x, 4 * c, 3, 2, name=3), 4 * c, True, name=4)
+        p4 = c2f(conv(p3, 8 * c, 3, 2, name=5), 8 * c, True, name=6)
+        x = c2f(conv(p4, 16 * c, 3, 2, name=7), 16 * c, True, name=8)
+        with b.scope(9):
+            half = b.shapes[x][1] // 2
+            y = conv(x, half, 1, name="cv1")
+            with b.scope("m"):
+                p1 = b.maxpool(y, 5, 1, 2)
+                p2 = b.maxpool(p1, 5, 1, 2)
+                p3_ = b.maxpool(p2, 5, 1, 2)
+            p5 = conv(b.concat([y, p1, p2, p3_]), 16 * c, 1, name="cv2")
+        n4 = c2f(b.concat([upsample(p5, name=10), p4]), 8 * c, False, name=12)
+        n3 = c2f(b.concat([upsample(n4, name=13), p3]), 4 * c, False, name=15)
+        m4 = c2f(b.concat([conv(n3, 4 * c, 3, 2, name=16), n4]), 8 * c, False, name=18)
+        m5 = c2f(b.concat([conv(m4, 8 * c, 3, 2, name=19), p5]), 16 * c, False, name=21)
+        no = 4 * reg_max + num_classes
+        c2, c3 = max(16, 4 * reg_max // 4, 4 * reg_max), max(4 * c, num_classes)
+        outs, anchors, strides = [], [], []
+        with b.scope(22):
+            for i, (feat, stride) in enumerate(((n3, 8), (m4, 16), (m5, 32))):
+                with b.scope("cv2", i):
+                    box = conv(conv(feat, c2, 3, name=0), c2, 3, name=1)
+                    with b.scope(2):
+                        box = b.conv(box, 4 * reg_max, 1)
+                with b.scope("cv3", i):
+                    cls = conv(conv(feat, c3, 3, name=0), c3, 3, name=1)
+                    with b.scope(2):
+                        cls = b.conv(cls, num_classes, 1)
+                y = b.concat([box, cls])
+                nb, _, h, w = b.shapes[y]
+                shp = s.shape(y)
+                outs.append(s.reshape(y, s.vector([s.dim(shp, 0), no, -1]), (nb, no, h * w)))
+                a, st = _anchor_points(b, s, y, stride)
+                anchors.append(a)
+                strides.append(st)
+            x_cat = b.concat(outs, axis=2)
+            total = b.shapes[x_cat][2]
+            anchor = b.node("Transpose", [b.concat(anchors, axis=0)], [(2, total)], perm=[1, 0])[0]
+            stride_t = b.node("Transpose", [b.concat(strides, axis=0)], [(1, total)], perm=[1, 0])[0]
+            sizes = b.initializer(b._anon("Constant"), np.array([4 * reg_max, num_classes], np.int64))
+            box, cls = b.node("Split", [x_cat, sizes], [(batch, 4 * reg_max, total), (batch, num_classes, total)], axis=1)
+            with b.scope("dfl"):
+                d = s.reshape(box, s.const([batch, 4, reg_max, total]), (batch, 4, reg_max, total))
+                d = b.node("Transpose", [d], [(batch, reg_max, 4, total)], perm=[0, 2, 1, 3])[0]
+                d = b.node("Softmax", [d], [(batch, reg_max, 4, total)], axis=1)[0]
+                with b.scope("conv"):
+                    proj = np.arange(reg_max, dtype=np.float32).reshape(1, reg_max, 1, 1)
+                    d = b.conv(d, 1, 1, bias=False, weight=proj)
+                box = s.reshape(d, s.const([batch, 4, total]), (batch, 4, total))
+            half = b.initializer(b._anon("Constant"), np.array([2, 2], np.int64))
+            lt, rb = b.node("Split", [box, half], [(batch, 2, total)] * 2, axis=1)
+            x1y1 = b.binary("Sub", anchor, lt)
+            x2y2 = b.add(anchor, rb)
+            c_xy = b.binary("Div", b.add(x1y1, x2y2), b.constant(2.0))
+            wh = b.binary("Sub", x2y2, x1y1)
+            dbox = b.mul(b.concat([c_xy, wh]), stride_t)
+            out = b.concat([dbox, b.sigmoid(cls)])
+    return dynamic_batch(b.build({"output": out}, doc=f"yolov8_like image={image} width={width}"))
+
+
 def _anchor_points(b: NetBuilder, s: _Shapes, feat: str, stride: int) -> tuple[str, str]:
     """``make_anchors`` as traced with dynamic sizes: cell centres ``[h*w, 2]`` (x, y) and
     strides ``[h*w, 1]``, computed from ``Shape(feat)``."""
