@@ -50,7 +50,14 @@ class TacticPlan:
 
         libraries = []
         if self.library is not None:
-            libraries.append({"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL})
+            libraries.append(
+                {
+                    "file": onednn.LIBRARY_FILE,
+                    "needs": [onednn.SONAME],
+                    "install": onednn.INSTALL,
+                    "built_against": onednn.installation().to_dict(),  # version, source, library path
+                }
+            )
         return {
             "requested": self.requested,
             "used": self.used,
