@@ -10,6 +10,9 @@
     time_conv(...)            a conv layer's time here under two attrs (the algorithm choice)
     pool_implementation(...)  the same for a pooling layer
     float_bits(v)             a float32's bits as an integer (how attrs carry alpha and beta)
+    block_width()             the channel block of oneDNN's optimised kernels here: 16
+                              (nChw16c, AVX-512), 8 (nChw8c, AVX2 / AVX / SSE4.1), 0 (plain)
+    dst_block(widths)         a conv's ``dst_block`` attr from its outputs' block widths
 
 Where oneDNN comes from (the first that has it; see :func:`find`):
 
@@ -222,6 +225,39 @@ def version() -> str:
 def float_bits(value: float) -> int:
     """The bits of float32 ``value`` as a non-negative integer (a shape entry of ``attrs``)."""
     return int(struct.unpack("<I", struct.pack("<f", float(value)))[0])
+
+
+@lru_cache(maxsize=1)
+def block_width() -> int:
+    """The channel block width of the blocked layout oneDNN's optimised conv and pool kernels
+    take on this CPU (asked of the library: ``dnnl::get_effective_cpu_isa``): 16 (``nChw16c``)
+    where it runs its AVX-512 kernels (avx512_core), 8 (``nChw8c``) with AVX2, AVX or SSE4.1,
+    0 below (plain layouts only). Every blocked call's attrs carry it, so the library never
+    guesses it and an artifact's bytes mean the same wherever it runs."""
+    import tvm_ffi
+
+    load()
+    return int(tvm_ffi.get_global_func("layerfuse.onednn.block_width")())
+
+
+DST_BLOCK_BITS = 5  # a conv's dst_block: out_j's block width in bits [5j, 5j + 5)
+MAX_BLOCKED_OUTPUTS = 64 // DST_BLOCK_BITS - 1  # 11: outputs beyond stay plain
+
+
+def dst_block(widths: Sequence[int]) -> int:
+    """A conv's ``dst_block`` attr: output j's block width (0 plain, 8, 16) in its bits
+    ``[5j, 5j + 5)``; one output: its width."""
+    return sum(int(w) << (DST_BLOCK_BITS * j) for j, w in enumerate(widths) if j <= MAX_BLOCKED_OUTPUTS)
+
+
+def dst_block_of(flags: int, j: int) -> int:
+    """Output j's block width in a conv's ``dst_block`` attr (see :func:`dst_block`)."""
+    return (int(flags) >> (DST_BLOCK_BITS * j)) & ((1 << DST_BLOCK_BITS) - 1) if j <= MAX_BLOCKED_OUTPUTS else 0
+
+
+def layout_name(width: int) -> str:
+    """``nchw`` for 0, ``nChw8c`` / ``nChw16c`` for a block width."""
+    return f"nChw{int(width)}c" if width else "nchw"
 
 
 def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool) -> str:

@@ -20,7 +20,7 @@ call for all of them); one with any other reader stays a concat.
 Concatenation in place (batch 1): a ``layerfuse.onednn.concat`` whose pieces oneDNN convs make
 for it alone becomes one ``layerfuse.onednn.concat_convs`` call in which each conv writes its
 channel range ``[c, c + C)`` of the block directly (contiguous in NCHW and, with ``c`` and ``C``
-multiples of 16, in ``nChw16c``); other pieces are copied in (:func:`concats_in_place`).
+multiples of the block width B, in ``nChwBc``); other pieces are copied in (:func:`concats_in_place`).
 
 Residual in place: a ``conv2d_add`` whose residual nothing reads afterwards writes its result
 into the residual's buffer (``call_tir_inplace`` of a TIR wrapper, see
@@ -234,7 +234,7 @@ def _member(x, values: dict, calls: dict, uses: dict):
         if name not in _KINDS or isinstance(x.ty, relax.TupleType):
             return None
         attrs = [int(a) for a in args[-1].values]
-        return _KINDS[name], args, attrs[11] & 1, None
+        return _KINDS[name], args, onednn.dst_block_of(attrs[11], 0), None
     value = values.get(x)
     if isinstance(value, relax.TupleGetItem) and value.tuple_value in calls:
         v, j = value.tuple_value, int(value.index)
@@ -245,7 +245,7 @@ def _member(x, values: dict, calls: dict, uses: dict):
         lo = sum(static_shape_of(t)[1] for t in list(v.ty.fields)[:j])
         hi = lo + static_shape_of(v.ty.fields[j])[1]
         attrs = [int(a) for a in args[-1].values]
-        blocked = (attrs[11] >> j) & 1
+        blocked = onednn.dst_block_of(attrs[11], j)
         attrs[11] = blocked
         w_at = _weight_at(kind, args)
         member = list(args)
@@ -274,7 +274,7 @@ def _merged_rows(name: str, args: list, out_types: list, keep: list, values: dic
     new[w_at] = _rows(args[w_at], ranges, values)
     new[w_at + 1] = _rows(args[w_at + 1], ranges, values)
     attrs = [int(a) for a in args[-1].values]
-    attrs[11] = sum(((attrs[11] >> j) & 1) << k for k, j in enumerate(keep))
+    attrs[11] = onednn.dst_block([onednn.dst_block_of(attrs[11], j) for j in keep])
     new[-1] = relax.ShapeExpr(attrs)
     return name, new, [out_types[j] for j in keep]
 

@@ -18,22 +18,27 @@ per piece and image: TVM's in-place concat only moves TVM kernels' outputs), exc
 with an upsampled piece, which stays TVM's: FuseOps makes the upsample and the concat one
 kernel, as in TVM's default pipeline.
 
-Layout (per tensor: plain NCHW or oneDNN's blocked ``nChw16c``, same size and Relax type).
-Tensors that must share a layout form classes: a concat's inputs and output (per image,
-channels ``[c, c + C)`` of an ``nChw16c`` tensor are the contiguous range ``[c*H*W, (c+C)*H*W)``
-when ``c`` and ``C`` are multiples of 16, exactly as in NCHW, so the concat's copies are the
-same bytes either way), a pool's src and dst, a residual and the output it is added to.
-A class is blocked when every member is 4-d with ``C % 16 == 0``, made by a library call,
-and read by library calls only (never by a TVM kernel or the caller) -- except that a
-``C % 16 == 0`` tensor with 1x1 spatial has the same bytes in both layouts, so anyone may
-read it. A conv reads either layout (``src_blocked``) and writes either (``dst_blocked``, a
-bit per output piece); a plain src or dst is reordered inside the library call, and a plain
-tensor read by several convs is reordered once (``layerfuse.onednn.to_blocked``). A tensor
-with ``16 < C``, ``C % 16 != 0`` (MobileNet-V2's 24 channels) that convs with one output make
-and only convs read is kept in padded ``nChw16c``: its Relax type becomes ``[N, ceil16(C), H,
-W]``, the bytes oneDNN's padded layout takes (see ``_padded``). So reorders happen only where
-a TVM kernel reads or writes a tensor next to a oneDNN layer (and at the split pieces of a
-merged conv with such channel counts, or C < 16).
+Layout (per tensor: plain NCHW or oneDNN's blocked ``nChwBc``, same size and Relax type).
+The block width ``B`` is the one oneDNN's optimised kernels take on this CPU
+(:func:`.onednn.block_width`: 16 with AVX-512, 8 with AVX2; 0 keeps every tensor plain), and
+every blocked call carries it in its attrs. Tensors that must share a layout form classes: a
+concat's inputs and output (per image, channels ``[c, c + C)`` of an ``nChwBc`` tensor are
+the contiguous range ``[c*H*W, (c+C)*H*W)`` when ``c`` and ``C`` are multiples of B, exactly
+as in NCHW, so the concat's copies are the same bytes either way), a pool's src and dst, a
+residual and the output it is added to. A class is blocked when every member is 4-d with
+``C % B == 0``, made by a library call, and read by library calls only (never by a TVM
+kernel or the caller) -- except that a ``C % B == 0`` tensor with 1x1 spatial has the same
+bytes in both layouts, so anyone may read it. A conv reads either layout (``src_block``: 0 or
+B) and writes either (``dst_block``: B or 0 per output piece); a plain src or dst is
+reordered inside the library call, and a plain tensor read by several convs is reordered
+once (``layerfuse.onednn.to_blocked``). A tensor with ``B < C``, ``C % B != 0`` (MobileNet-V2's
+24 channels with B = 16) that convs with one output make and only convs read is kept in
+padded ``nChwBc``: its Relax type becomes ``[N, ceilB(C), H, W]``, the bytes oneDNN's padded
+layout takes (see ``_padded``). So reorders happen only where a TVM kernel reads or writes a
+tensor next to a oneDNN layer (and at the split pieces of a merged conv with such channel
+counts, or C < B). A conv or pool that oneDNN would run with a reference (``ref:``) kernel in
+the blocked layout gets its tensors' classes plain instead (``_refuse_reference_kernels``),
+so no layer ever records a ``ref:`` kernel as taken.
 """
 
 from __future__ import annotations
@@ -53,7 +58,6 @@ log = logging.getLogger(__name__)
 
 
 _DPS = tvm.ir.Op.get("relax.call_dps_packed")
-BLOCK = 16  # nChw16c
 _CONVS = tuple(onednn.FUNCTIONS.values())
 
 
@@ -236,6 +240,7 @@ class _Classes:
 
 def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     """Choose plain or blocked bytes for every tensor that oneDNN calls make (see module doc)."""
+    width = onednn.block_width()
     bindings = bindings_of(func)
     calls = {}  # var -> (name, args)
     pieces: dict = {}  # tuple var -> {index: [piece vars]}
@@ -271,10 +276,10 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
 
     def can_block(var) -> bool:
         shape = static_shape(var)
-        if shape is None or len(shape) != 4 or shape[1] % BLOCK != 0 or producer.get(var) != "onednn":
+        if not width or shape is None or len(shape) != 4 or shape[1] % width != 0 or producer.get(var) != "onednn":
             return False
         if shape[2] * shape[3] == 1:
-            return True  # C % 16 == 0 and 1x1: nChw16c and NCHW are the same bytes
+            return True  # C % B == 0 and 1x1: nChwBc and NCHW are the same bytes
         return isinstance(var, relax.DataflowVar) and var not in tvm_read
 
     members: dict = {}
@@ -295,37 +300,89 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     shared = {
         x
         for x, rs in data_readers.items()
-        if len(rs) >= 2 and static_shape(x) is not None and len(static_shape(x)) == 4 and static_shape(x)[1] % BLOCK == 0
+        if width
+        and len(rs) >= 2
+        and static_shape(x) is not None
+        and len(static_shape(x)) == 4
+        and static_shape(x)[1] % width == 0
     }
+
     def conv_flags(v, args, padded: set) -> tuple[int, int]:
         src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared or args[0] in padded)
         if isinstance(v.ty, relax.TupleType):
             parts = pieces.get(v, {})
-            return int(src), sum(1 << j for j, vs in parts.items() if vs[0] in blocked)
-        return int(src), int(v in blocked or v in padded)
+            n = len(v.ty.fields)
+            return width * src, onednn.dst_block([width * (j in parts and parts[j][0] in blocked) for j in range(n)])
+        return width * src, width * (v in blocked or v in padded)
 
-    padded = _padded(members, calls, tvm_read, conv_flags)
-    flags = {}  # call var -> (src flag, dst flag or mask)
-    for v, (name, args) in calls.items():
-        if name in _CONVS:
-            flags[v] = conv_flags(v, args, padded)
-        elif name == onednn.POOL:
-            flags[v] = (int(v in blocked), int(v in blocked))
-    _record_layouts(layers, calls, flags)
+    padded = _padded(members, calls, tvm_read, conv_flags, width)
+    notes: dict = {}  # call var -> why its tensors stay plain
+    flags = _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, conv_flags, width, notes)
+    _record_layouts(layers, calls, flags, notes)
     by_call = {b.value: flags[b.var] for b in bindings if b.var in flags and any(flags[b.var])}
-    resize = {b.value: _padded_type(b.var) for b in bindings if b.var in padded}
-    return _SetLayouts(by_call, shared, resize).visit_expr(func) if by_call else func
+    resize = {b.value: _padded_type(b.var, width) for b in bindings if b.var in padded}
+    return _SetLayouts(by_call, shared, resize, width).visit_expr(func) if by_call else func
 
 
-def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
-    """Tensors kept in nChw16c with their channels padded to a multiple of 16 (MobileNet-V2's
-    24-channel stage): 16 < C, C % 16 != 0, made by a conv with one output and read only by
+def _kernel(name: str, v, args: list, flags: tuple[int, int]) -> str:
+    """The kernel oneDNN picks for the conv or pool call ``v = name(args)`` under ``flags``."""
+    attrs = [int(x) for x in args[-1].values]
+    if name == onednn.POOL:
+        attrs[9] = flags[0]
+        return onednn.pool_implementation(static_shape(args[0]), static_shape(v), attrs)
+    attrs[10], attrs[11] = flags
+    weight = args[3] if name == onednn.FUNCTIONS["conv2d_pre"] else args[1]
+    return onednn.implementation(
+        static_shape(args[0]), static_shape(weight), attrs, residual=name == onednn.FUNCTIONS["conv2d_add"]
+    )
+
+
+def _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, conv_flags, width, notes) -> dict:
+    """Every conv and pool call's (src, dst) flags, after making plain the layout classes of
+    any call that oneDNN would run with a reference (``ref:``) or no kernel in its blocked
+    layout (a plain src or dst is reordered inside the call to the layout of an optimised
+    kernel, which :class:`.use_onednn.UseOneDNNConv` checked). Changes ``blocked``,
+    ``shared`` and ``padded`` in place and notes each refused call's reason in ``notes``;
+    repeats until no call is refused."""
+    checked: dict = {}  # (call var, flags) -> kernel
+    while True:
+        flags = {}  # call var -> (src flag, dst flag)
+        for v, (name, args) in calls.items():
+            if name in _CONVS:
+                flags[v] = conv_flags(v, args, padded)
+            elif name == onednn.POOL:
+                flags[v] = (width * (v in blocked), width * (v in blocked))
+        refused = []
+        for v, f in flags.items():
+            if not any(f):
+                continue
+            if (v, f) not in checked:
+                checked[(v, f)] = _kernel(calls[v][0], v, calls[v][1], f)
+            if checked[(v, f)].startswith(("ref", "unsupported")):
+                refused.append((v, checked[(v, f)]))
+        if not refused:
+            return flags
+        for v, kernel in refused:
+            x = calls[v][1][0]
+            notes[v] = f"plain layout: oneDNN has only {kernel} for it in {onednn.layout_name(width)}"
+            log.info("%s: %s", v.name, notes[v])
+            touched = {v, x} | {vs[0] for vs in pieces.get(v, {}).values()}
+            for vs in members.values():
+                if vs & touched:
+                    blocked.difference_update(vs)
+                    padded.difference_update(vs)
+            shared.discard(x)
+
+
+def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -> set:
+    """Tensors kept in nChwBc with their channels padded to a multiple of B (MobileNet-V2's
+    24-channel stage with B = 16): B < C, C % B != 0, made by a conv with one output and read only by
     convs (as their src, or conv2d_add's residual), never by TVM, the caller, a pool, a
     concat or a prologue -- all their class alike -- and every conv that touches one keeps an
     optimised kernel in that layout (``conv_flags(var, args, padded)``: the flags it gets; a
-    class whose conv would get ``ref:`` stays plain). Their Relax type becomes [N, ceil16(C),
-    H, W] (the bytes of oneDNN's padded nChw16c; the library takes C from the weights), so no
-    conv reorders them to and from NCHW inside its call. (C < 16 is left plain: padding would
+    class whose conv would get ``ref:`` stays plain). Their Relax type becomes [N, ceilB(C),
+    H, W] (the bytes of oneDNN's padded nChwBc; the library takes C from the weights), so no
+    conv reorders them to and from NCHW inside its call. (C < B is left plain: padding would
     multiply the reading conv's work more than the reorders cost.)"""
     simple = (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_add"])
     readers: dict = {}  # var -> [(call name, argument position)]
@@ -336,7 +393,9 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
 
     def can_pad(var) -> bool:
         shape = static_shape(var)
-        if shape is None or len(shape) != 4 or shape[1] % BLOCK == 0 or shape[1] < BLOCK or shape[2] * shape[3] == 1:
+        if not width or shape is None or len(shape) != 4 or shape[1] % width == 0 or shape[1] < width:
+            return False
+        if shape[2] * shape[3] == 1:
             return False
         if var not in calls or calls[var][0] not in simple or not isinstance(var, relax.DataflowVar) or var in tvm_read:
             return False
@@ -364,41 +423,37 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
     return padded
 
 
-def _padded_type(var) -> relax.TensorType:
+def _padded_type(var, width: int) -> relax.TensorType:
     n, c, h, w = static_shape(var)
-    return relax.TensorType([n, -(-c // BLOCK) * BLOCK, h, w], "float32")
+    return relax.TensorType([n, -(-c // width) * width, h, w], "float32")
 
 
-def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
+def _record_layouts(layers: list, calls: dict, flags: dict, notes: dict) -> None:
     """Tell each oneDNN LayerChoice (in call order) which layout its src and dst have."""
     convs = [c for c in layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:"))]
     pools = [c for c in layers if c.tactic == "onednn" and c.layer.startswith("pool:")]
     conv_calls = [(v, found) for v, found in calls.items() if found[0] in _CONVS]
     pool_calls = [(v, found) for v, found in calls.items() if found[0] == onednn.POOL]
-    for c, (v, (_, args)) in zip(pools, pool_calls):
-        c.layout = "nChw16c" if flags[v][0] else "nchw"
+    for c, (v, (name, args)) in zip(pools, pool_calls):
+        c.layout = onednn.layout_name(flags[v][0])
+        c.reason = notes.get(v, c.reason)
         if flags[v][0]:  # the kernel oneDNN picks in that layout
-            attrs = [int(x) for x in args[-1].values]
-            attrs[9] = 1
-            c.kernel = onednn.pool_implementation(static_shape(args[0]), static_shape(v), attrs)
+            c.kernel = _kernel(name, v, args, flags[v])
     for c, (v, (name, args)) in zip(convs, conv_calls):
         src, dst = flags.get(v, (0, 0))
         n = len(v.ty.fields) if isinstance(v.ty, relax.TupleType) else 1
-        outs = ",".join("nChw16c" if (dst >> j) & 1 else "nchw" for j in range(n))
-        c.layout = f"{'nChw16c' if src else 'nchw'}>{outs}"
+        outs = ",".join(onednn.layout_name(onednn.dst_block_of(dst, j)) for j in range(n))
+        c.layout = f"{onednn.layout_name(src)}>{outs}"
+        c.reason = notes.get(v, c.reason)
         if src or dst:  # the kernel oneDNN picks for these layouts
-            attrs = [int(x) for x in args[-1].values]
-            attrs[10], attrs[11] = src, dst
-            weight = args[3] if name == onednn.FUNCTIONS["conv2d_pre"] else args[1]
-            c.kernel = onednn.implementation(
-                static_shape(args[0]), static_shape(weight), attrs, residual=name == onednn.FUNCTIONS["conv2d_add"]
-            )
+            c.kernel = _kernel(name, v, args, (src, dst))
 
 
 @relax.expr_functor.mutator
 class _SetLayouts(relax.PyExprMutator):
-    def __init__(self, by_call: dict, shared: set, resize: dict) -> None:
+    def __init__(self, by_call: dict, shared: set, resize: dict, width: int) -> None:
         super().__init__()
+        self.width = width
         self.by_call = by_call
         self.shared = shared  # plain tensors reordered once for their oneDNN readers
         self.resize = resize  # call -> its result's type with padded channels
@@ -420,8 +475,12 @@ class _SetLayouts(relax.PyExprMutator):
         args = [self.visit_expr(a) for a in args]
         if name in _CONVS and x in self.shared:
             if x not in self.blocked_copy:
-                copy = relax.call_dps_packed(onednn.TO_BLOCKED, [args[0]], relax.TensorType(list(static_shape(x)), "float32"))
-                self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_nChw16c")
+                copy = relax.call_dps_packed(
+                    onednn.TO_BLOCKED,
+                    [args[0], relax.ShapeExpr([self.width])],
+                    relax.TensorType(list(static_shape(x)), "float32"),
+                )
+                self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_{onednn.layout_name(self.width)}")
             args[0] = self.blocked_copy[x]
         ty_args = [self.resize[call]] if call in self.resize else call.ty_args
         return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, ty_args)

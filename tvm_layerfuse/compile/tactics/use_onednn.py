@@ -17,7 +17,8 @@ so the call becomes::
                           (x, W, reshape(b, [O]) [, r], attrs), R.Tensor(y.shape))
 
 with ``attrs = (stride_h, stride_w, pad_t, pad_l, pad_b, pad_r, dil_h, dil_w, groups, act,
-src_blocked, dst_blocked, bits(alpha), bits(beta), algorithm)`` and ``act``: 0 none, 1 relu (``alpha``:
+src_block, dst_block, bits(alpha), bits(beta), algorithm)`` (``src_block`` / ``dst_block``: the
+block width of x's / each output's layout, 0 plain, set by ``assign_layouts``) and ``act``: 0 none, 1 relu (``alpha``:
 LeakyRelu's slope), 2 clip [``alpha``, ``beta``], 3 silu, 4 sigmoid; ``bits`` is the float32's
 bit pattern (integer shape entries cost the VM nothing; a float argument costs a kernel
 launch). Other epilogues (gates, adds after the activation, hard-sigmoid/swish, GELU, PReLU)
@@ -29,7 +30,8 @@ own, applied per Relax function in this order):
 
 - :mod:`.onednn_layout`: ``merge_splits`` (a merged conv's split pieces as its outputs),
   ``dense_layers`` (the classifier), ``pools_and_concats`` (pools and concats that read oneDNN
-  tensors), ``assign_layouts`` (``nChw16c`` between library calls);
+  tensors), ``assign_layouts`` (``nChw16c`` / ``nChw8c``, the block width of this CPU's kernels,
+  between library calls);
 - :mod:`.onednn_inplace`: ``prologues_read_pieces`` (DenseNet's concats never materialised),
   ``concats_in_place`` (convs write their channel ranges of a concat), ``residuals_in_place``
   (a residual conv writes into its residual's buffer).
@@ -46,7 +48,8 @@ decide the choice) and Winograd is kept when it is at least ``WINOGRAD_GAIN`` fa
 the same convolution with fewer multiplies (F(4x4, 3x3): 36 instead of 144 per 4x4 output
 tile and channel pair); its rounding differs from the direct sum by about 1e-6 relative.
 ``UseOneDNNConv(winograd="never")`` keeps every layer direct, ``"always"`` takes Winograd
-wherever oneDNN has it (tests). ``pass.layers`` lists
+wherever oneDNN has it (tests) and records, where it has not (oneDNN 2.6 has Winograd
+kernels for AVX-512 only), why the layer stays direct (``timing``: ``NO_WINOGRAD``). ``pass.layers`` lists
 every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout", "timing"}``: conv layers,
 pools (``pool:<var>``, tactic ``onednn``), the classifier (``dense:<var>``: ``x @ w + b`` as a
 oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, ``in-place``, or ``read by
@@ -76,7 +79,7 @@ from ...relax.fuse_prologue import PROLOGUE_PREFIX
 from . import onednn
 from .choice import LayerChoice
 from .onednn_inplace import concats_in_place, prologues_read_pieces, residuals_in_place
-from .onednn_layout import BLOCK, assign_layouts, dense_layers, merge_splits, pools_and_concats
+from .onednn_layout import assign_layouts, dense_layers, merge_splits, pools_and_concats
 
 __all__ = ["UseOneDNNConv", "LayerChoice", "Refused", "WINOGRAD_CHOICES", "WINOGRAD_GAIN"]
 
@@ -85,6 +88,7 @@ log = logging.getLogger(__name__)
 ACT_CODES = {None: 0, "relu": 1, "leakyrelu": 1, "clip": 2, "silu": 3, "sigmoid": 4}
 WINOGRAD_CHOICES = ("timed", "never", "always")
 WINOGRAD_GAIN = 1.05  # Winograd is kept when direct takes at least this many times as long
+NO_WINOGRAD = "winograd (always): oneDNN has no Winograd kernel for it here, direct"
 
 
 
@@ -193,9 +197,14 @@ class UseOneDNNConv:
         wino = list(attrs)
         wino[14] = 1
         # timed in the layout the layer will most likely get (blocked where C and O allow it)
-        wino[10], wino[11] = int(x_shape[1] % BLOCK == 0), int(w_shape[0] % BLOCK == 0)
+        width = onednn.block_width()
+        wino[10] = width if width and x_shape[1] % width == 0 else 0
+        wino[11] = width if width and w_shape[0] % width == 0 else 0
         wino_kernel = onednn.implementation(x_shape, w_shape, wino, residual=residual)
         if wino_kernel.startswith(("ref", "unsupported")):
+            # oneDNN 2.6 has Winograd kernels for AVX-512 only: elsewhere the layer stays direct
+            if self.winograd == "always":
+                return kernel, f"{NO_WINOGRAD} ({wino_kernel.split(':')[0]})"
             return kernel, ""
         if self.winograd == "always":
             attrs[14] = 1
