@@ -241,3 +241,117 @@ def test_built_in_googlenet_is_flagged():
 
     notes = plan(read_onnx(default_model())).graph_notes()
     assert any(n.startswith("weights are constant fills: all 58 Conv/Gemm weights") for n in notes)
+
+
+# ---------------------------------------------------------------------- Paddle2ONNX style
+P2O_SHAPE = (1, 3, IMAGE, 2 * IMAGE)
+
+
+def test_p2o_classifier_compiles_with_its_output_shape_from_the_program(tmp_path):
+    """A Paddle2ONNX classifier whose Reshape target is int32 constants cast to int64: shape
+    inference alone leaves the output's dims unknown (compile crashed writing the manifest);
+    the target is folded now, and the manifest reads the output from the compiled program."""
+    import json
+
+    model = exporters.p2o_text_direction_classifier(image=IMAGE, seed=3)
+    shape = {"input": list(P2O_SHAPE)}
+    assert has_shape_arithmetic(model)  # a computed shape argument, though no Shape op
+    graph = read_onnx(model, input_shapes=shape)
+    assert graph.meta["shape_folding"]["targets"] == ["p2o.Reshape.0"]
+    assert graph.tensor(graph.outputs[0]).shape == (1, 2)
+    expected, outs = _compile_and_run(tmp_path, "p2o_cls", model, P2O_SHAPE, seed=1)
+    _assert_equal(expected, outs)
+    manifest = json.loads((tmp_path / "p2o_cls.fused" / "manifest.json").read_text())
+    assert manifest["outputs"] == [{"name": "output", "shape": [1, 2], "dtype": "float32"}]
+
+
+def test_manifest_outputs_come_from_the_compiled_program(tmp_path, monkeypatch):
+    """Without the folding the graph's output shape is unknown; the manifest still has it."""
+    import json
+
+    from tvm_layerfuse.compile.build import compile_model
+    from tvm_layerfuse.topology import onnx_reader
+
+    monkeypatch.setattr(onnx_reader, "fold_static_shapes", lambda m, **_: (m, None))
+    model = exporters.p2o_text_direction_classifier(image=IMAGE, seed=3)
+    shape = {"input": list(P2O_SHAPE)}
+    graph = read_onnx(model, input_shapes=shape)
+    assert graph.tensor(graph.outputs[0]).shape == (None, None)  # what shape inference gives
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    compile_model(path, tmp_path / "art", input_shapes=shape, progress=False, tactics="tvm")
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["outputs"] == [{"name": "output", "shape": [1, 2], "dtype": "float32"}]
+    assert manifest["inputs"] == [{"name": "input", "shape": list(P2O_SHAPE), "dtype": "float32"}]
+
+
+def test_p2o_recognizer_shape_arithmetic_folds_completely(tmp_path):
+    """CRNN/SVTR-style: a ``fill_constant`` cast on its own into a Reshape target, then a
+    ``Shape`` of the reshaped sequence; every Shape folds (one stayed at run time, and TVM
+    refused the Reshape it fed), names of the layers are kept, and the model compiles."""
+    model = exporters.p2o_text_recognizer(image=IMAGE, seed=2)
+    graph = read_onnx(model, input_shapes={"input": list(P2O_SHAPE)})
+    folding = graph.meta["shape_folding"]
+    assert folding["removed"]["Shape"] == 2 and not folding["remaining"]
+    assert folding["targets"] == ["p2o.Reshape.0", "p2o.Reshape.1", "p2o.Squeeze.0"]
+    assert folding["checked"] and folding["max_abs_diff"] == 0.0
+    names = {layer.name for layer in graph}
+    assert {"p2o.Conv.0", "p2o.BatchNormalization.0", "p2o.MatMul.0", "p2o.Softmax.0"} <= names
+    assert not any(layer.op_type in ("Shape", "Cast", "Slice", "Concat") for layer in graph)
+    assert graph.tensor(graph.outputs[0]).shape == (1, 2 * IMAGE // 4, 12)
+    expected, outs = _compile_and_run(tmp_path, "p2o_rec", model, P2O_SHAPE, seed=1)
+    _assert_equal(expected, outs)
+
+
+def test_p2o_db_detector_plan_is_carried_out_as_planned():
+    """PP-OCRv3's RSEFPN ``x + x * gate``: the gate merges into the SE's conv, and the
+    residual add is refused there with its reason (a fused conv takes one extra input); it
+    was planned as a second merge that the Relax passes could not carry out ("plan/Relax
+    mismatch: eltwise_merged planned 28, done 12"). Plan and program agree now (the compiled
+    detector equals onnxruntime: the slow test below)."""
+    from tvm_layerfuse.relax.pipeline import fuse_with_report
+
+    model = exporters.p2o_db_detector(image=32, seed=2)
+    shape = (1, 3, 32, 32)
+    result = fuse_with_report(model, input_shapes={"input": list(shape)})
+    check = result.report.plan_check
+    assert check["eltwise_merged"] == {"plan": 20, "relax": 20}, check
+    assert check["batchnorm_folded"]["plan"] == check["batchnorm_folded"]["relax"] == 29
+    refused = [r for r in result.plan.refusals if "already merges an element-wise op" in r.reason]
+    assert len(refused) == 8 and all(r.template == "eltwise.conv_epilogue" for r in refused)  # one per RSE layer
+    gates = [g for g in result.plan.groups_of("eltwise") if g.details["op"] == "gate"]
+    assert len(gates) == 8 + 7  # the RSE layers' and the backbone's SE gates
+
+
+@pytest.mark.slow
+def test_p2o_db_detector_compiles_and_equals_onnxruntime(tmp_path):
+    model = exporters.p2o_db_detector(image=32, seed=2)
+    expected, outs = _compile_and_run(tmp_path, "p2o_db", model, (1, 3, 32, 32), seed=1)
+    _assert_equal(expected, outs)
+
+
+def test_plan_relax_mismatch_is_an_error_or_a_corrected_plan(monkeypatch):
+    """The safety net: when the Relax passes group none of the planned element-wise merges,
+    strict mode (the test suite) raises naming them; otherwise they become refusals with the
+    reason, so the plan describes the compiled program."""
+    import dataclasses
+
+    from tvm_layerfuse.relax import pipeline
+    from tvm_layerfuse.relax.pipeline import STRICT_PLAN_ENV, PlanMismatchError, fuse_with_report
+
+    real = pipeline.FuseConv2DEpilogue
+
+    def without_extra_inputs(*, plan_spec):  # the pass told that no conv merges an element-wise op
+        return real(plan_spec={w: dataclasses.replace(s, residual=None) for w, s in plan_spec.items()})
+
+    monkeypatch.setattr(pipeline, "FuseConv2DEpilogue", without_extra_inputs)
+    model = exporters.p2o_text_direction_classifier(image=IMAGE, seed=3)
+    shapes = {"input": list(P2O_SHAPE)}
+    with pytest.raises(PlanMismatchError, match=r"eltwise_merged planned 9, done 0; not carried out: .* into conv 'p2o"):
+        fuse_with_report(model, input_shapes=shapes)
+    monkeypatch.setenv(STRICT_PLAN_ENV, "0")
+    result = fuse_with_report(model, input_shapes=shapes)
+    assert result.report.plan_check["eltwise_merged"] == {"plan": 9, "relax": 0, "plan_dropped": 9}
+    assert not result.plan.groups_of("eltwise")
+    dropped = [r for r in result.plan.refusals if r.template == "relax.FuseConv2DEpilogue"]
+    assert len(dropped) == 9 and "the plan merges element-wise op None" in dropped[0].reason

@@ -305,3 +305,25 @@ def test_merged_layer_names_never_collide():
     p = plan(name_collision_reproducer())
     assert_plan_invariants(p)
     assert p.counts()["horizontal"] == 1
+
+
+def test_exporter_block_writes_the_exporters_forms():
+    """The opt-in ``exporter`` block: every form appears over a few seeds, the graphs are
+    valid and run in onnxruntime; the default block list (and so every existing seed's
+    graph) does not draw it."""
+    from tvm_layerfuse.testing.graphgen import ALL_BLOCKS, BLOCKS
+
+    assert "exporter" in ALL_BLOCKS and "exporter" not in BLOCKS
+    ops: collections.Counter = collections.Counter()
+    symbolic = 0
+    for seed in range(40):
+        model, feeds = random_cnn_case(seed, max_layers=6, blocks=("conv", "exporter"))
+        onnx.checker.check_model(model, full_check=True)
+        run_ort(model, feeds)
+        ops.update(n.op_type for n in model.graph.node)
+        dims = [d for vi in model.graph.output for d in vi.type.tensor_type.shape.dim]
+        symbolic += any(d.dim_param.startswith("p2o.DynamicDimension") for d in dims)
+    for op in ("Shape", "Cast", "Slice", "Concat", "Reshape", "Transpose", "Softmax", "Resize", "Unsqueeze", "MatMul"):
+        assert ops[op] > 0, op
+    assert 0 < symbolic < 40
+    assert not any(n.op_type == "Shape" for n in random_cnn(3, max_layers=12).graph.node)

@@ -47,3 +47,49 @@ def test_layerfuse_never_launches_more_kernels_than_tvm_default(name):
     default, ours = report["default"], report["layerfuse"]
     assert ours["kernels"] <= default["kernels"], (name, default["kernels"], ours["kernels"])
     assert ours["bytes_written"] <= default["bytes_written"], (name, default["bytes_written"], ours["bytes_written"])
+
+
+# ---------------------------------------------------------------------- copies, tactic on and off
+def _compiled_counts(tmp_path, model, shape, *, fuse: bool, tactics: str) -> dict:
+    """The kernel report ``compile`` writes into the manifest (read from the executable)."""
+    import json
+
+    from tvm_layerfuse.compile.build import compile_model
+
+    name = f"{'fused' if fuse else 'default'}-{tactics}"
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    compile_model(path, tmp_path / name, input_shapes={"input": list(shape)}, fuse=fuse, tactics=tactics, progress=False)
+    return json.loads((tmp_path / name / "manifest.json").read_text())["fusion"]["kernels"]
+
+
+COPY_MODELS = {
+    # YOLO-style: C2f split/concat, SPPF, upsample + concat, a DFL head (three levels)
+    "yolov8_like": (lambda: exporters.yolov8_like(image=64, width=8, seed=1), (1, 3, 64, 64)),
+    # Paddle2ONNX DB detector: FPN upsample + concat, RSE layers
+    "p2o_db_detector": (lambda: exporters.p2o_db_detector(image=32, seed=1), (1, 3, 32, 32)),
+    # YOLOv8n's size: 640x640, channels 16-32-64-128-256
+    "yolov8n_640": (lambda: exporters.yolov8_like(image=640, width=16, seed=1), (1, 3, 640, 640)),
+}
+SLOW_COPY_MODELS = {"yolov8n_640", "p2o_db_detector"}
+
+
+@pytest.mark.parametrize("tactics", ["onednn", "tvm"])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_COPY_MODELS else n for n in sorted(COPY_MODELS)]
+)
+def test_concat_and_split_copies_never_exceed_tvm_default(tmp_path, name, tactics):
+    """Concatenate and split kernels that only copy: never more with layerfuse than with
+    TVM's default pipeline, with the oneDNN tactic and without; kernels likewise."""
+    from tvm_layerfuse.compile.tactics import onednn
+
+    if tactics == "onednn" and onednn.availability() is not None:
+        pytest.skip(f"oneDNN tactic unavailable: {onednn.availability()}")
+    make, shape = COPY_MODELS[name]
+    model = make()
+    default = _compiled_counts(tmp_path, model, shape, fuse=False, tactics="tvm")
+    ours = _compiled_counts(tmp_path, model, shape, fuse=True, tactics=tactics)
+    assert default["concat_kernels"] + default["concat_fused"] > 0  # the model has concats
+    for key in ("concat_kernels", "split_kernels", "kernels"):
+        assert ours[key] <= default[key], (name, tactics, key, default[key], ours[key])
+    assert ours["concat_bytes_copied"] <= default["concat_bytes_copied"]

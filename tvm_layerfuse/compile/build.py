@@ -87,6 +87,7 @@ def compile_model(
         with step("fold weights"):
             mod, weights = lift_weights(mod, params)
             mod = safe_param_names(mod)
+            outputs = program_outputs(mod, p.first.outputs)
         with step("build"):
             from .schedules import ScheduleReport
 
@@ -108,7 +109,9 @@ def compile_model(
 
                     shutil.copyfile(tactic_plan.library, tmp / LIBRARY_FILE)
                 savez(tmp / artifact.PARAMS, dict(zip(names, weights)))
-                manifest = _manifest(p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model)
+                manifest = _manifest(
+                    p, spec, fuse=fuse, names=names, report=report, kernels=kernels, model=model, outputs=outputs
+                )
                 manifest["tactics"] = tactic_plan.manifest()
                 manifest["schedules"] = schedules.to_dict() if spec.device == "cpu" else None
                 from .tune_database import applied_database, summary
@@ -265,7 +268,36 @@ def _kernel_count(ex) -> Optional[dict[str, Any]]:
         return None
 
 
-def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model) -> dict[str, Any]:
+def program_outputs(mod, names: Sequence[str]) -> list[dict[str, Any]]:
+    """``[{"name", "shape", "dtype"}]`` of ``main``'s results, in the model's output order,
+    read from the compiled program's types (the topology graph's shapes come from ONNX shape
+    inference, which may leave a dim unknown where TVM's import knows it). A result whose
+    shape TVM does not know either is a :class:`BuildError`."""
+    import tvm
+    from tvm import relax
+
+    ret = mod["main"].ret_ty
+    fields = list(ret.fields) if isinstance(ret, relax.TupleType) else [ret]
+    if len(fields) != len(names):
+        raise BuildError(
+            f"the compiled program returns {len(fields)} value(s) for the model's {len(names)} output(s) "
+            f"{list(names)[:4]}; expected one per output - report the model"
+        )
+    out = []
+    for name, sinfo in zip(names, fields):
+        dims = getattr(getattr(sinfo, "shape", None), "values", None)
+        if not isinstance(sinfo, relax.TensorType) or dims is None or not all(
+            isinstance(d, tvm.tirx.IntImm) for d in dims
+        ):
+            raise BuildError(
+                f"output {name!r} has no static shape in the compiled program ({sinfo}); expected static sizes - "
+                "fix every input size with --input-shape"
+            )
+        out.append({"name": name, "shape": [int(d) for d in dims], "dtype": str(sinfo.dtype)})
+    return out
+
+
+def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model, outputs) -> dict[str, Any]:
     import tvm
 
     first = p.first
@@ -291,7 +323,7 @@ def _manifest(p, spec: TargetSpec, *, fuse: bool, names, report, kernels, model)
         "library": artifact.LIBRARY,
         "params": {"file": artifact.PARAMS, "order": list(names)},
         "inputs": io(first.inputs),
-        "outputs": io(first.outputs),
+        "outputs": outputs,
         "fusion": {
             "plan": p.counts() if fuse else None,
             "groups": [g.to_dict() for g in p.groups] if fuse else [],

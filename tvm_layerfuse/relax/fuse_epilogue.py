@@ -364,9 +364,13 @@ class FuseConv2DEpilogue:
 
 
 def _is_gate(conv_shape, gate_shape) -> bool:
-    """``[N, C, 1, 1]`` conv output broadcast over a ``[N, C, H, W]`` map (H, W may be 1 too)."""
+    """``[N, C, 1, 1]`` conv output broadcast over a ``[N, C, H, W]`` map (H, W may be 1 too),
+    or an activated conv output multiplied by a map of its own shape (the plan's gate after an
+    activation: nothing broadcasts)."""
     if conv_shape is None or gate_shape is None or len(conv_shape) != len(gate_shape) or len(conv_shape) < 3:
         return False
+    if tuple(conv_shape) == tuple(gate_shape):
+        return True
     return conv_shape[:2] == gate_shape[:2] and all(d == 1 for d in conv_shape[2:])
 
 

@@ -79,6 +79,7 @@ def import_onnx(
     prepared = _integer_initializers_as_constants(materialize_constants(model, graph))
     if canonicalize:
         prepared = _sum_to_add(prepared)
+    prepared = _resize_empty_scales(prepared)
     shape_dict = {name: [int(d) for d in graph.tensor(name).shape] for name in graph.inputs}
     dtype_dict = {name: graph.tensor(name).dtype or "float32" for name in graph.inputs}
     mod = _from_onnx(prepared, label=graph.name, shape_dict=shape_dict, dtype_dict=dtype_dict)
@@ -286,6 +287,33 @@ def _sum_to_add(model: onnx.ModelProto) -> onnx.ModelProto:
             acc = result
     del out.graph.node[:]
     out.graph.node.extend(nodes)
+    return out
+
+
+def _resize_empty_scales(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``Resize(x, roi, scales=[], sizes)`` -> ``Resize(x, roi, "", sizes)``: Resize-11 and -12
+    must name a ``scales`` input even when ``sizes`` gives the size, and exporters pass an
+    empty tensor; TVM's importer takes any named input as given ("Only one of scales and
+    sizes can be provided")."""
+    empty = {t.name for t in model.graph.initializer if 0 in t.dims}
+    empty |= {
+        n.output[0]
+        for n in model.graph.node
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR
+        and 0 in n.attribute[0].t.dims
+    }  # fmt: skip
+    targets = [
+        n for n in model.graph.node
+        if n.op_type == "Resize" and n.domain in ("", "ai.onnx") and len(n.input) > 3 and n.input[3]
+        and n.input[2] in empty
+    ]  # fmt: skip
+    if not targets:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.op_type == "Resize" and len(node.input) > 3 and node.input[3] and node.input[2] in empty:
+            node.input[2] = ""
     return out
 
 

@@ -165,7 +165,7 @@ def fuse_with_report(
     mod = absorb(mod)
     report.absorbed = list(absorb.absorbed)
     if plan is not None:
-        report.plan_check = _compare_with_plan(plan, report)
+        report.plan_check = _compare_with_plan(plan, report, param_names(mod))
 
     if bind:
         mod = bind_params(mod, params)
@@ -412,24 +412,63 @@ def plan_to_specs(plan: FusionPlan, param_names: set[str]) -> tuple[set[str], di
     return fold, spec
 
 
-def _compare_with_plan(plan: FusionPlan, report: FuseReport) -> dict[str, Any]:
-    """Counts the plan promised next to what the Relax passes did; a mismatch is logged."""
+# Set (to anything but "" or "0") to make a plan/Relax mismatch an error (the test suite does).
+STRICT_PLAN_ENV = "TVM_LAYERFUSE_STRICT_PLAN"
+
+
+class PlanMismatchError(RuntimeError):
+    """The Relax passes did not carry out a merge the plan decided (a bug in tvm_layerfuse)."""
+
+
+def _compare_with_plan(plan: FusionPlan, report: FuseReport, params: set[str]) -> dict[str, Any]:
+    """Counts the plan promised next to what the Relax passes did.
+
+    A planned element-wise merge that no fused function carries out is a bug (the templates
+    refuse what the passes cannot do): with ``TVM_LAYERFUSE_STRICT_PLAN`` set it raises
+    :class:`PlanMismatchError`; otherwise the plan is corrected to the program - each such
+    group becomes a refusal with the reason - so the report and the manifest describe what
+    was compiled."""
     planned_bn = sum(
         1
         for layer in plan.second
         for e in layer.fused.all_epilogue_ops()
         if e.op == "BatchNormalization" and e.folded
     )
-    planned_eltwise = len(plan.groups_of("eltwise"))
     done_bn = sum(1 for f in report.folded if f["op"] == "BatchNormalization")
-    done_eltwise = sum(1 for g in report.groups if g.get("extra_input"))
+    done_weights = {w for g in report.groups if g.get("extra_input") for w in g.get("conv_weight") or []}
+    dropped = []
+    for g in plan.groups_of("eltwise"):
+        conv = g.details.get("conv")
+        layer = plan.first.layer(conv) if conv else None
+        w = layer.inputs[1] if layer is not None and len(layer.inputs) > 1 else None
+        if w is None or (weight_param(w, params) or w) not in done_weights:
+            dropped.append(g)
     check = {
         "batchnorm_folded": {"plan": planned_bn, "relax": done_bn},
-        "eltwise_merged": {"plan": planned_eltwise, "relax": done_eltwise},
+        "eltwise_merged": {"plan": len(plan.groups_of("eltwise")), "relax": len(plan.groups_of("eltwise")) - len(dropped)},
     }
-    for what, counts in check.items():
-        if counts["plan"] != counts["relax"]:
-            log.warning("plan/Relax mismatch: %s planned %d, done %d", what, counts["plan"], counts["relax"])
+    bad = {what: c for what, c in check.items() if c["plan"] != c["relax"]}
+    if not bad:
+        return check
+    shown = "; ".join(f"{w} planned {c['plan']}, done {c['relax']}" for w, c in bad.items())
+    names = ", ".join(f"{g.details.get('op')} into conv {g.details.get('conv')!r}" for g in dropped[:4])
+    message = f"plan/Relax mismatch: {shown}" + (f"; not carried out: {names}" if dropped else "")
+    if os.environ.get(STRICT_PLAN_ENV, "") not in ("", "0"):
+        raise PlanMismatchError(message + " - a bug in tvm_layerfuse: report the model")
+    from collections import Counter
+
+    from ..templates.base import Refusal
+
+    for g in dropped:
+        kind = _RESIDUAL_NAMES.get(g.details.get("op", ""), str(g.details.get("op", "")).lower())
+        seen = Counter(r["reason"] for r in report.group_refused if kind and f"_{kind}_" in r["template"] + "_")
+        why = "the Relax pass FuseConv2DEpilogue found no group for it" + (
+            f" (it refused {kind} groups: {'; '.join(r for r, _ in seen.most_common(2))})" if seen else ""
+        )
+        plan.groups.remove(g)
+        plan.refusals.append(Refusal(template="relax.FuseConv2DEpilogue", kind="eltwise", layers=list(g.members), reason=why))
+    check["eltwise_merged"]["plan_dropped"] = len(dropped)
+    log.info("%s; the plan now lists them as refused", message)
     return check
 
 

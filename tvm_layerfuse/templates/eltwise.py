@@ -23,7 +23,9 @@ conv is a *post-activation add* (YOLO's bottleneck ``x + cv2(cv1(x))`` with SiLU
 ``r`` has no reader after the fused layer (and is neither a graph input nor output), the
 result may overwrite ``r``'s buffer in place; the plan records whether that is allowed.
 When both operands are produced by such convs, the later one (in graph order) absorbs the
-op, so the other operand is already computed when the fused kernel runs.
+op, so the other operand is already computed when the fused kernel runs. A fused conv
+takes one extra input: a conv that already merged an element-wise op (e.g. the gate of a
+residual squeeze-and-excitation ``x + x * gate``) absorbs no second one.
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ class EltwiseEpilogue(Template):
                 continue
             if len(conv.outputs) != 1:
                 reasons.append(f"{t!r} comes from the horizontally merged conv {conv.name!r}")
+                continue
+            if conv.fused.extra_input is not None:
+                reasons.append(
+                    f"conv {conv.name!r} already merges an element-wise op with extra input "
+                    f"{conv.fused.extra_input!r}; a fused conv takes one extra input"
+                )
                 continue
             if graph.readers(t) != 1:
                 reasons.append(f"{t!r} (from conv {conv.name!r}) has {graph.readers(t)} readers")

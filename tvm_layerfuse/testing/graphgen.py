@@ -31,6 +31,17 @@ often, so chains form; an older one sometimes, so tensors get several consumers)
 ``pool``                MaxPool/AveragePool (pads, ceil_mode, count_include_pad) or
                         GlobalAveragePool
 ``head``                GlobalAveragePool -> Flatten -> Gemm (a rank-2 graph output)
+``exporter``            (not drawn by default: ``blocks=ALL_BLOCKS`` or ``--blocks ...,exporter``)
+                        what Paddle2ONNX, tf2onnx and YOLO exports write: a Reshape to a
+                        sequence ``[N, HW, C]`` whose target is ``Shape -> Cast(int32) ->
+                        Slice -> Concat -> Cast(int64)`` (pieces cast one by one or after),
+                        a Transpose to the sequence layout, [Softmax], and back through a
+                        target from ``Shape`` of the sequence; a Resize whose ``sizes`` are
+                        computed from ``Shape`` (x2 nearest); a Reshape whose target is int32
+                        constants cast to int64 (no ``Shape`` at all); a flatten from
+                        ``Shape -> Gather -> Unsqueeze`` of the scalar ``-> Concat`` into
+                        ``MatMul + Add -> Softmax`` (a rank-2 output). With it, the declared
+                        graph outputs sometimes carry unknown dims (``p2o.DynamicDimension``).
 ======================  ==================================================================
 
 Every tensor no layer reads becomes a graph output, and some tensors that *are* read
@@ -50,10 +61,14 @@ import onnx
 from ..runtime.vta.host import pool_out
 from ._builder import NetBuilder, check_options, random_inputs
 
-__all__ = ["BLOCKS", "CNNCase", "GraphOptions", "cnn_graphs", "generate", "random_cnn", "random_cnn_case"]
+__all__ = ["ALL_BLOCKS", "BLOCKS", "CNNCase", "GraphOptions", "cnn_graphs", "generate", "random_cnn", "random_cnn_case"]
 
 BLOCKS = ("conv", "activation", "parallel", "residual", "concat", "preact", "broadcast", "pool", "head")
-"""Block kinds, simplest first (hypothesis shrinks a choice towards the first)."""
+"""Block kinds drawn by default, simplest first (hypothesis shrinks a choice towards the first)."""
+ALL_BLOCKS = BLOCKS + ("exporter",)
+"""Every block kind (``exporter``: the shape arithmetic and heads of exporters, opt-in so
+that the graphs of existing seeds stay as they were)."""
+EXPORTER_FORMS = ("sequence", "resize_sizes", "const_target", "flatten_softmax")
 
 ACTIVATIONS = ("Relu", "Clip", "LeakyRelu", "SiLU", "Sigmoid")
 _POINTWISE = {"kernel": (1, 1), "stride": 1, "dilation": 1, "pad": 0, "groups": 1, "bias": True}  # + "cout"
@@ -77,9 +92,9 @@ class GraphOptions:
             raise ValueError(f"max_layers={self.max_layers}; expected >= 1")
         if not 2 <= self.max_channels <= 64 or not 2 <= self.max_spatial <= 64:
             raise ValueError("max_channels and max_spatial must lie in [2, 64]")
-        unknown = [b for b in self.blocks if b not in BLOCKS]
+        unknown = [b for b in self.blocks if b not in ALL_BLOCKS]
         if unknown or not self.blocks:
-            raise ValueError(f"blocks={tuple(self.blocks)}; expected a non-empty subset of {BLOCKS}")
+            raise ValueError(f"blocks={tuple(self.blocks)}; expected a non-empty subset of {ALL_BLOCKS}")
         if self.batch is not None and not 1 <= self.batch <= self.max_batch:
             raise ValueError(f"batch={self.batch}; expected 1..max_batch={self.max_batch}")
 
@@ -416,6 +431,57 @@ class _Generator:
         y = self.b.flatten(y)
         self.rank2_outputs.append(self.b.linear(y, self.c.int(1, 8)))
 
+    def block_exporter(self) -> None:
+        """Shape arithmetic and heads as exporters write them (see the module doc)."""
+        from onnx import TensorProto
+
+        from .exporters import _Paddle
+
+        c, b, o = self.c, self.b, self.o
+        p = _Paddle(b)
+        x = self.source()
+        n, ch, h, w = self.shape(x)
+        form = c.pick(EXPORTER_FORMS)
+        if form == "sequence":
+            shp = p.shape32(x)
+            cast = c.pick(("each", "after"))
+            flat = p.reshape(x, p.target([p.piece(shp, 0), p.piece(shp, 1), -1], cast=cast), (n, ch, h * w))
+            seq = b.node("Transpose", [flat], [(n, h * w, ch)], perm=[0, 2, 1])[0]
+            if c.flag(0.5):
+                seq = b.node("Softmax", [seq], [(n, h * w, ch)], axis=-1)[0]
+            if c.flag(0.5):
+                seq = b.add(seq, b.constant(b.rng.uniform(-0.5, 0.5, (ch,)).astype(np.float32), node=c.flag(0.5)))
+            back = b.node("Transpose", [seq], [(n, ch, h * w)], perm=[0, 2, 1])[0]
+            sshp = p.shape32(seq)
+            target = p.target([p.piece(sshp, 0), p.piece(sshp, 2), h, -1], cast=c.pick(("each", "after")))
+            self.add(p.reshape(back, target, (n, ch, h, w)))
+        elif form == "resize_sizes":
+            if 2 * max(h, w) > o.max_spatial or b.opset < 11:  # Resize-10 takes scales only
+                return
+            shp = p.shape(x)
+            head = b.node("Slice", [shp, p.const([0]), p.const([2])], [(2,)])[0]
+            hw = b.node("Slice", [shp, p.const([2]), p.const([4])], [(2,)])[0]
+            hw = b.node("Mul", [hw, p.const([2, 2])], [(2,)])[0]
+            sizes = b.node("Concat", [head, hw], [(4,)], axis=0)[0]
+            if c.flag(0.5):  # a Cast chain on the way (float and back), as tf2onnx writes it
+                sizes = p.cast(p.cast(sizes, TensorProto.FLOAT), TensorProto.INT64)
+            empty = "" if b.opset >= 13 else p.const([], np.float32)  # roi, scales: required before 13
+            self.add(b.node("Resize", [x, empty, empty, sizes], [(n, ch, 2 * h, 2 * w)], mode="nearest",
+                            coordinate_transformation_mode="asymmetric", nearest_mode="floor")[0])  # fmt: skip
+        elif form == "const_target":
+            y = p.reshape(x, p.target([n, -1], cast="after"), (n, ch * h * w))
+            y = b.relu(y) if c.flag(0.5) else y
+            self.add(p.reshape(y, p.target([0, ch, h, w], cast=c.pick(("each", "after"))), (n, ch, h, w)))
+        else:
+            y = b.global_avgpool(x) if c.flag(0.5) else x
+            shp = p.shape(y)
+            scalar = p.dim(shp, 0)  # Gather(shape, 0): a scalar
+            target = p.vector([scalar, -1])  # Unsqueeze of the scalar -> Concat
+            flat = p.reshape(y, target, (n, int(np.prod(self.shape(y)[1:]))))
+            with b.scope("fc"):
+                logits = p.linear(flat, c.int(1, 8))
+            self.rank2_outputs.append(b.node("Softmax", [logits], [b.shapes[logits]], axis=-1)[0])
+
     # -- the whole graph -------------------------------------------------------
     def run(self) -> onnx.ModelProto:
         c, o = self.c, self.o
@@ -450,7 +516,12 @@ class _Generator:
             outputs = [self.tensors[-1]]
         order = {t: i for i, t in enumerate(n for node in self.b.nodes for n in node.output)}
         outputs = sorted(dict.fromkeys(outputs), key=order.__getitem__)
-        return self.b.build(outputs, doc="tvm_layerfuse.testing.graphgen", node_names=c.flag(0.85))
+        model = self.b.build(outputs, doc="tvm_layerfuse.testing.graphgen", node_names=c.flag(0.85))
+        if "exporter" in o.blocks and c.flag(0.3):
+            from .exporters import _p2o_declared_outputs
+
+            model = _p2o_declared_outputs(model)  # unknown dims in the declared outputs
+        return model
 
 
 def generate(choices, *, seed: int = 0, **options: Any) -> onnx.ModelProto:

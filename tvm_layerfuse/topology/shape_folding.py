@@ -10,19 +10,24 @@ Once the graph inputs have static shapes, ``Shape(x)`` is a constant, and so is 
 computed only from shapes and constants. onnxscript's optimizer
 (``onnxscript.optimizer.fold_constants`` with ONNX shape inference, then
 ``remove_unused_nodes``) replaces those chains by constants; TVM's importer then sees
-plain constant targets. Folding is limited to the *shape cone*: the ``Shape``/``Size``
-nodes and every node that reads (transitively) one of their results. The rest of the
-graph - conv weights, BatchNorms, ``Identity`` nodes - is left exactly as exported, so
-the fusion plan sees the layers and names the exporter wrote (``optimize``'s rewrite
-rules would already fold BatchNorms into convs, under new names).
+plain constant targets. Folding is limited to the *shape subgraph*: the nodes that do not
+depend on input data (only on input sizes and constants) and that either read a shape
+(the ``Shape``/``Size`` nodes and everything computed from their results) or compute a
+shape argument of another node (a Reshape/Expand/Tile target, Resize sizes and scales,
+Slice bounds, Squeeze/Unsqueeze axes ...), as Paddle2ONNX writes them: int32
+``fill_constant`` s cast to int64 one by one. The rest of the graph - conv weights,
+BatchNorms, ``Identity`` nodes - is left exactly as exported, so the fusion plan sees
+the layers and names the exporter wrote (``optimize``'s rewrite rules would already fold
+BatchNorms into convs, under new names). Folding repeats while it makes progress: a
+``Shape`` of a tensor whose size only a folded target fixes folds in the next round.
 
 The folded model is checked against the original in onnxruntime (CPU, graph
 optimisations off) on seeded inputs; a difference beyond float rounding is an error, never
 a silent change. A ``Shape`` that survives (it depends on data, e.g. after ``NonZero``) is
 left for the importer, whose error names the node.
 
-Only models that hold ``Shape``/``Size`` ops are touched: a model without shape arithmetic
-reaches the importer byte for byte as it was.
+Only models that hold ``Shape``/``Size`` ops or computed shape arguments are touched: a
+model without shape arithmetic reaches the importer byte for byte as it was.
 """
 
 from __future__ import annotations
@@ -43,6 +48,31 @@ log = logging.getLogger(__name__)
 
 # Ops whose output is a tensor's shape: the roots of every shape computation.
 SHAPE_OPS = ("Shape", "Size")
+# Inputs (by position) that are shapes, sizes, axes or bounds rather than data.
+_REDUCE_AXES = {op: (1,) for op in (
+    "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+    "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
+)}  # fmt: skip
+SHAPE_ARGUMENTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "Resize": (1, 2, 3),
+    "Upsample": (1,),
+    "Slice": (1, 2, 3, 4),
+    "Squeeze": (1,),
+    "Unsqueeze": (1,),
+    "Pad": (1, 2, 3),
+    "ConstantOfShape": (0,),
+    "Range": (0, 1, 2),
+    "TopK": (1,),
+    "Split": (1,),
+    "OneHot": (1,),
+    "CumSum": (1,),
+    **_REDUCE_AXES,
+}
+# Rounds of folding at most (each one can fix the sizes the next one folds).
+MAX_ROUNDS = 4
 # Relative tolerance between the original and the folded model in onnxruntime: shape
 # folding changes no float arithmetic; the optimizer's other rules may reassociate a constant.
 CHECK_RTOL = 1e-5
@@ -81,8 +111,18 @@ class ShapeFolding:
 
 
 def has_shape_arithmetic(model: onnx.ModelProto) -> bool:
-    """Whether the main graph reads tensor shapes at run time (a ``Shape`` or ``Size`` node)."""
-    return any(n.op_type in SHAPE_OPS and n.domain in ("", "ai.onnx") for n in model.graph.node)
+    """Whether the main graph computes shapes: a ``Shape``/``Size`` node, or a shape argument
+    (see :data:`SHAPE_ARGUMENTS`) computed by a node from constants."""
+    if any(_is_shape_op(n) for n in model.graph.node):
+        return True
+    data = _data_values(model)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        for name in _shape_arguments(node):
+            src = producer.get(name)
+            if src is not None and src.op_type != "Constant" and name not in data:
+                return True
+    return False
 
 
 def fold_static_shapes(
@@ -100,7 +140,7 @@ def fold_static_shapes(
     except Exception as e:  # the optimizer is a library: a failure there leaves the model as it was
         log.warning("model %s: folding its shape arithmetic failed (%s); importing it unfolded", label, first_line(e))
         return model, None
-    report = _describe(model, folded, _shape_cone(model))
+    report = _describe(model, folded, _shape_cone(model) | _shape_subgraph(model))
     if check:
         _check_against_original(model, folded, report, label=label, seed=seed)
     log.info("model %s: %s", label, report.summary())
@@ -108,26 +148,94 @@ def fold_static_shapes(
 
 
 def _fold_shape_cone(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnxscript's constant folding (with shape inference), restricted to the shape cone."""
+    """onnxscript's constant folding (with shape inference), restricted to the shape
+    subgraph, repeated while a round folds a ``Shape``/``Size`` node or shape argument."""
     import onnxscript.optimizer
     from onnxscript import ir
 
+    for _ in range(MAX_ROUNDS):
+        cone, fold = _shape_cone(model), _shape_subgraph(model)
+        model_ir = ir.serde.deserialize_model(model)
+
+        def should_fold(node) -> Optional[bool]:
+            outs = [o.name for o in node.outputs]
+            if any(o in fold for o in outs):
+                return True
+            return None if any(o in cone for o in outs) else False
+
+        onnxscript.optimizer.fold_constants(model_ir, onnx_shape_inference=True, should_fold=should_fold)
+        onnxscript.optimizer.remove_unused_nodes(model_ir)
+        folded = ir.serde.serialize_model(model_ir)
+        if _progress(folded) == _progress(model):
+            return folded
+        model = folded
+    return model
+
+
+def _progress(model: onnx.ModelProto) -> tuple[int, int]:
+    """What is left to fold: Shape/Size nodes, and computed shape arguments."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    computed = sum(
+        1
+        for n in model.graph.node
+        for a in _shape_arguments(n)
+        if a in producer and producer[a].op_type != "Constant"
+    )
+    return sum(1 for n in model.graph.node if _is_shape_op(n)), computed
+
+
+def _is_shape_op(node: onnx.NodeProto) -> bool:
+    return node.op_type in SHAPE_OPS and node.domain in ("", "ai.onnx")
+
+
+def _shape_arguments(node: onnx.NodeProto) -> list[str]:
+    if node.domain not in ("", "ai.onnx"):
+        return []
+    slots = SHAPE_ARGUMENTS.get(node.op_type, ())
+    return [node.input[k] for k in slots if k < len(node.input) and node.input[k]]
+
+
+def _data_values(model: onnx.ModelProto) -> set[str]:
+    """Values that depend on input data (not only on input sizes and constants)."""
+    inits = {t.name for t in model.graph.initializer}
+    data = {vi.name for vi in model.graph.input if vi.name not in inits}
+    for node in model.graph.node:  # topological order (the reader sorted it)
+        if _is_shape_op(node):
+            continue
+        if node.op_type in _RUNTIME_OPS or any(i in data for i in node.input):
+            data.update(o for o in node.output if o)
+    return data
+
+
+# Ops whose result is not a function of its inputs' values alone.
+_RUNTIME_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli")
+
+
+def _shape_subgraph(model: onnx.ModelProto) -> set[str]:
+    """Output names of the nodes that compute shapes without reading data: those read by
+    the shape cone or by a shape argument, transitively upwards, through data-free nodes."""
+    data = _data_values(model)
     cone = _shape_cone(model)
-    model_ir = ir.serde.deserialize_model(model)
-
-    def should_fold(node) -> Optional[bool]:
-        return None if any(o.name in cone for o in node.outputs) else False
-
-    onnxscript.optimizer.fold_constants(model_ir, onnx_shape_inference=True, should_fold=should_fold)
-    onnxscript.optimizer.remove_unused_nodes(model_ir)
-    return ir.serde.serialize_model(model_ir)
+    wanted: set[str] = set()
+    for node in model.graph.node:
+        wanted.update(_shape_arguments(node))
+        if any(o in cone for o in node.output):
+            wanted.update(i for i in node.input if i)
+    fold: set[str] = set()
+    for node in reversed(model.graph.node):
+        outs = [o for o in node.output if o]
+        if node.op_type == "Constant" or any(o in data for o in outs) or not any(o in wanted for o in outs):
+            continue
+        fold.update(outs)
+        wanted.update(i for i in node.input if i)
+    return fold
 
 
 def _shape_cone(model: onnx.ModelProto) -> set[str]:
     """Output names of the Shape/Size nodes and of every node that reads one, transitively."""
     cone: set[str] = set()
     for node in model.graph.node:  # topological order (the reader sorted it)
-        if (node.op_type in SHAPE_OPS and node.domain in ("", "ai.onnx")) or any(i in cone for i in node.input):
+        if _is_shape_op(node) or any(i in cone for i in node.input):
             cone.update(o for o in node.output if o)
     return cone
 
@@ -154,7 +262,7 @@ def _describe(before: onnx.ModelProto, after: onnx.ModelProto, cone: set[str]) -
         # an input that a node computed before and that is a constant now: a folded target
         if any(i in computed_before and i in constants_after for i in n.input[1:]):
             targets.append(n.name or n.output[0])
-    remaining = [n.name or n.output[0] for n in after.graph.node if n.op_type in SHAPE_OPS]
+    remaining = [n.name or n.output[0] for n in after.graph.node if _is_shape_op(n)]
     return ShapeFolding(
         nodes_before=len(before.graph.node),
         nodes_after=len(after.graph.node),

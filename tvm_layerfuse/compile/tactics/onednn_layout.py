@@ -14,7 +14,9 @@ Pools and concatenations that read a oneDNN tensor become library calls too:
 ceil_mode adds no cells beyond the stated padding, which ONNX would not count) and the
 global average (``mean`` over H, W with keepdims, ``adaptive_avg_pool2d`` to 1x1) ->
 ``layerfuse.onednn.pool2d``; a channel concat -> ``layerfuse.onednn.concat`` (one ``memcpy``
-per piece and image: TVM's in-place concat only moves TVM kernels' outputs).
+per piece and image: TVM's in-place concat only moves TVM kernels' outputs), except a concat
+with an upsampled piece, which stays TVM's: FuseOps makes the upsample and the concat one
+kernel, as in TVM's default pipeline.
 
 Layout (per tensor: plain NCHW or oneDNN's blocked ``nChwBc``, same size and Relax type).
 The block width ``B`` is the one oneDNN's optimised kernels take on this CPU
@@ -145,6 +147,11 @@ def _pool_attrs(value, x_shape, y_shape) -> Optional[list[int]]:
     return [onednn.POOL_ALGORITHMS[alg], kh, kw, sh, sw, *pad, 0]
 
 
+# Producers TVM's FuseOps fuses into the concatenate that reads them (an upsample + concat
+# is one kernel that writes the upsampled piece into the block): such a concat stays TVM's.
+_FOLDED_INTO_CONCAT = ("relax.image.resize2d",)
+
+
 def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
     """Pools and channel concats that read oneDNN tensors -> ``layerfuse.onednn.pool2d`` /
     ``layerfuse.onednn.concat`` (so the tensors around them can stay blocked)."""
@@ -171,6 +178,8 @@ def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
                 continue
             if not any(x in made for x in items):
                 continue  # TVM producers only: the lowering's in-place concat takes it
+            if any(op_name(values.get(x)) in _FOLDED_INTO_CONCAT for x in items):
+                continue  # TVM's FuseOps computes that piece inside the concat kernel: no copy of it
             chosen[v] = (onednn.CONCAT, items, relax.TensorType(list(y_shape), "float32"))
             made.add(b.var)
             layers.append(LayerChoice(f"concat:{b.var.name}", "copy", kernel="memcpy", shape=f"out{list(y_shape)}"))
