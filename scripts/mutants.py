@@ -351,12 +351,4 @@ MUTANTS = [
         replacement="if not np.array_equal(np.isnan(a64), np.isnan(b64)):",
         tests=[T + "test_exporters.py::test_folding_that_changes_results_is_an_error"],
     ),
-    dict(
-        id="shape-folding-cone-not-transitive",
-        area="shape folding",
-        file="tvm_layerfuse/topology/shape_folding.py",
-        original='if (node.op_type in SHAPE_OPS and node.domain in ("", "ai.onnx")) or any(i in cone for i in node.input):',
-        replacement='if node.op_type in SHAPE_OPS and node.domain in ("", "ai.onnx"):',
-        tests=[T + "test_exporters.py::test_flatten_head_shape_arithmetic_is_folded_and_checked"],
-    ),
 ]
