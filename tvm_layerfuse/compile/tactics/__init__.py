@@ -46,11 +46,13 @@ class TacticPlan:
         return dict(Counter(c.tactic for c in self.layers))
 
     def manifest(self) -> dict[str, Any]:
-        from . import onednn
+        from . import abi, onednn
 
         libraries = []
         if self.library is not None:
-            libraries.append({"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL})
+            libraries.append(
+                {"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL, "abi_version": abi.ABI_VERSION}
+            )
         return {
             "requested": self.requested,
             "used": self.used,

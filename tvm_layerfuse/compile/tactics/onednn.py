@@ -21,13 +21,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import struct
 import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ...errors import BuildError
+from . import abi
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +36,16 @@ SONAME = "libdnnl.so.2"
 INSTALL = "apt-get install -y libdnnl2"
 INSTALL_DEV = "apt-get install -y libdnnl-dev"
 LIBRARY_FILE = "tactics_onednn.so"  # its name inside an artifact
-FUNCTIONS = {
-    "conv2d": "layerfuse.onednn.conv2d",
-    "conv2d_add": "layerfuse.onednn.conv2d_add",
-    "conv2d_pre": "layerfuse.onednn.conv2d_pre",
-}
-CONV2D_ADD_INPLACE = "layerfuse.onednn.conv2d_add_inplace"  # called from TIR (onednn_inplace.residuals_in_place)
-TO_BLOCKED = "layerfuse.onednn.to_blocked"
-CONCAT = "layerfuse.onednn.concat"
-CONCAT_CONVS = "layerfuse.onednn.concat_convs"
-POOL = "layerfuse.onednn.pool2d"
-DENSE = "layerfuse.onednn.dense"
-POOL_ALGORITHMS = {"max": 0, "avg_include_pad": 1, "avg": 2}
+# the library's functions, by the registry of :mod:`.abi` (these names stay for callers)
+FUNCTIONS = {c.key: c.name for c in abi.CONVS}
+CONV2D_ADD_INPLACE = abi.CONV2D_ADD_INPLACE.name  # called from TIR (onednn_inplace.residuals_in_place)
+TO_BLOCKED = abi.TO_BLOCKED.name
+CONCAT = abi.CONCAT.name
+CONCAT_CONVS = abi.CONCAT_CONVS.name
+POOL = abi.POOL2D.name
+DENSE = abi.DENSE.name
+POOL_ALGORITHMS = abi.POOL_ALGORITHMS
+float_bits = abi.float_bits
 
 
 def root() -> Path:
@@ -96,7 +94,10 @@ def build_extension() -> Path:
     import tvm_ffi.cpp
 
     prefix = root()
-    digest = hashlib.sha256(SOURCE.read_bytes() + str(prefix).encode() + tvm_ffi.__version__.encode()).hexdigest()[:16]
+    cflags = ["-O2", "-DNDEBUG", "-fopenmp", "-fvisibility=hidden"]  # hidden: two copies in a process never bind to each other
+    onednn_version = _header_version(prefix / "include" / "oneapi" / "dnnl" / "dnnl_version.h")
+    key = [SOURCE.read_bytes(), str(prefix), tvm_ffi.__version__, str(onednn_version), " ".join(cflags), str(abi.ABI_VERSION)]
+    digest = hashlib.sha256("\0".join(k if isinstance(k, str) else k.hex() for k in key).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("TVM_LAYERFUSE_CACHE", Path.home() / ".cache" / "tvm_layerfuse")) / f"onednn-{digest}"
     out = cache / "layerfuse_onednn.so"
     if out.is_file():
@@ -110,7 +111,7 @@ def build_extension() -> Path:
             path = tvm_ffi.cpp.build(
                 "layerfuse_onednn",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O2", "-DNDEBUG", "-fopenmp"],  # OpenMP: time_conv's thread count, the prologue's loop
+                extra_cflags=cflags,  # OpenMP: time_conv's thread count, the prologue's loop
                 extra_ldflags=[*(f"-L{d}" for d in libdirs), "-ldnnl", "-fopenmp"],
                 extra_include_paths=[str(prefix / "include")],
                 build_directory=build_dir,
@@ -125,9 +126,15 @@ def build_extension() -> Path:
 @lru_cache(maxsize=1)
 def load() -> Path:
     """Build the extension and load it into this process (registers its global functions)."""
-    from ...runtime.tactics import load_library
+    from ...runtime.tactics import load_library, loaded_abi_version
 
     path = build_extension()
+    have = loaded_abi_version()
+    if have is not None and have != abi.ABI_VERSION:
+        raise BuildError(
+            f"this process already runs a oneDNN tactic library of ABI version {have} (an artifact's); the compiler's is "
+            f"version {abi.ABI_VERSION} - compile in a process of its own"
+        )
     try:
         load_library(path, needs=[SONAME], install=INSTALL)
     except Exception as e:
@@ -142,9 +149,9 @@ def version() -> str:
     return str(tvm_ffi.get_global_func("layerfuse.onednn.version")())
 
 
-def float_bits(value: float) -> int:
-    """The bits of float32 ``value`` as a non-negative integer (a shape entry of ``attrs``)."""
-    return int(struct.unpack("<I", struct.pack("<f", float(value)))[0])
+def _values(attrs) -> list[int]:
+    """An attrs record (or already its values) as the integers the library reads."""
+    return attrs.values() if hasattr(attrs, "values") and callable(attrs.values) else [int(v) for v in attrs]
 
 
 def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool) -> str:
@@ -153,7 +160,7 @@ def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequen
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.implementation")
-    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs)]
+    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, _values(attrs))]
     return str(f(*shapes, bool(residual)))
 
 
@@ -166,7 +173,7 @@ def time_conv(
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.time_conv")
-    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs_a, attrs_b)]
+    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, _values(attrs_a), _values(attrs_b))]
     a, b = f(*shapes, bool(residual), int(reps))
     return float(a), float(b)
 
@@ -185,4 +192,4 @@ def pool_implementation(x_shape: Sequence[int], out_shape: Sequence[int], attrs:
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.pool_implementation")
-    return str(f(*[tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, out_shape, attrs)]))
+    return str(f(*[tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, out_shape, _values(attrs))]))
