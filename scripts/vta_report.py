@@ -7,7 +7,9 @@ For each network: what runs on VTA and on the host, the simulator's counters for
 inference of the fused program set and of the unfused one with the same quantization
 (DRAM bytes loaded per buffer kind and stored, instructions, GEMM/ALU micro-op steps),
 and the int8 vs fp32 (onnxruntime) accuracy on the calibration inputs and on held-out
-seeded inputs.
+seeded inputs. The simulator runs in its hardware mode (what VTA's FPGA and Chisel designs
+execute); every int8 tensor both forms produce is checked bit for bit against the int8
+numpy reference.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
+
+from tvm_layerfuse.compile.vta import pipeline
+from tvm_layerfuse.compile.vta.executor import execute
+from tvm_layerfuse.compile.vta.quantize import random_samples, reference
+from tvm_layerfuse.runtime.vta.config import DEFAULT, load_config
 from tvm_layerfuse.testing import zoo
-from tvm_layerfuse.vta import pipeline
-from tvm_layerfuse.vta.config import DEFAULT, load_config
-from tvm_layerfuse.vta.quantize import random_samples
 
 DEFAULT_NETS = [
     "resnet18:width=0.25,image=32",
@@ -35,6 +40,21 @@ def parse_net(spec: str):
         k, v = part.split("=")
         kw[k] = float(v) if "." in v else int(v)
     return name, kw
+
+
+def check_bit_exact(b, feeds) -> int:
+    """Both forms under the hardware mode vs the int8 numpy reference; the int8 tensors compared."""
+    n = 0
+    for compiled in (b.fused, b.unfused):
+        trace = {}
+        ref = reference(compiled.graph, b.quantization, feeds, trace=trace)
+        run = execute(compiled, feeds, trace=True, device="sim")
+        for name, value in trace.items():
+            np.testing.assert_array_equal(run.ints[name], value, err_msg=name)
+        for name in compiled.graph.outputs:
+            np.testing.assert_array_equal(run.outputs[name], ref[name], err_msg=name)
+        n += len(trace)
+    return n
 
 
 def main() -> None:
@@ -56,6 +76,7 @@ def main() -> None:
         t0 = time.perf_counter()
         g = pipeline.gain(b, feeds)
         sim_s = (time.perf_counter() - t0) / 2
+        exact = check_bit_exact(b, feeds)
         held = random_samples(b.graph, args.inputs, seed=1000)
         acc_cal = pipeline.accuracy(b, model, b.calibration)
         acc_held = pipeline.accuracy(b, model, held)
@@ -63,6 +84,9 @@ def main() -> None:
         on_vta = sum(r["where"] == "vta" for r in place)
         print(f"\n## {spec}  ({on_vta} ops on VTA, {len(place) - on_vta} on the host; build {build_s:.1f} s, "
               f"one simulated inference {sim_s:.2f} s)")
+        n_prog = len(b.fused.programs) + len(b.unfused.programs)
+        print(f"   hardware mode: {n_prog} programs (fused and unfused) ran; {exact} int8 tensors bit-exact "
+              "with the int8 numpy reference")
         for r in place:
             if r["where"] == "host":
                 print(f"   host: {r['op']} ({r['reason']})")

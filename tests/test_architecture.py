@@ -110,7 +110,7 @@ def test_runtime_imports_no_compiler():
     code = (
         "import json, sys\n"
         "import tvm_layerfuse.runtime, tvm_layerfuse.runtime.io, tvm_layerfuse.cli.run\n"
-        "import tvm_layerfuse.runtime.vta, tvm_layerfuse.vta.runtime, tvm_layerfuse.vta.rpc_server\n"
+        "import tvm_layerfuse.runtime.vta.loader, tvm_layerfuse.runtime.vta.runtime, tvm_layerfuse.runtime.vta.rpc_server\n"
         "maps = open('/proc/self/maps').read()\n"
         "print(json.dumps({'modules': sorted(sys.modules), 'compiler_lib': 'libtvm_compiler' in maps}))\n"
     )
@@ -126,17 +126,28 @@ def test_runtime_imports_no_compiler():
     assert loaded == []
 
 
+def test_runtime_side_imports_nothing_of_the_compile_side():
+    """Every module under ``runtime/`` (the VTA runtime included) imports, anywhere in its source,
+    only the runtime package itself and the package root and its errors: never a compile-side floor."""
+    modules = _modules()
+    known = set(modules)
+    runtime = {n: p for n, p in modules.items() if n == "tvm_layerfuse.runtime" or n.startswith("tvm_layerfuse.runtime.")}
+    assert "tvm_layerfuse.runtime.vta.sim" in runtime and "tvm_layerfuse.runtime.vta.loader" in runtime
+    allowed = set(runtime) | {"tvm_layerfuse", "tvm_layerfuse.errors"}
+    climbs = {n: sorted(_imports(n, p, known) - allowed) for n, p in runtime.items()}
+    assert {n: c for n, c in climbs.items() if c} == {}
+
+
 def test_bundle_files_are_closed_under_import():
     """What a bundle copies (the runtime package and the files around it) needs nothing else
     when imported, and the ``run`` command it holds needs nothing else when it runs."""
-    files = {p for p in (PACKAGE / bundle.RUNTIME_PACKAGE).rglob("*.py")} | {
-        PACKAGE / n for n in bundle.LOADER + bundle.VTA_RUNTIME
-    }
+    files = {p for p in (PACKAGE / bundle.RUNTIME_PACKAGE).rglob("*.py")} | {PACKAGE / n for n in bundle.LOADER}
     copied = {_module_name(p) for p in files}
     known = set(_modules())
     needed = {m for p in files for m in _imports(_module_name(p), p, known, module_level=True)}
     runtime_side = files - {PACKAGE / "cli" / "__init__.py"}  # its lazy main() is the full command line
     needed |= {m for p in runtime_side for m in _imports(_module_name(p), p, known)}
     assert "tvm_layerfuse.runtime.loader" in copied and "tvm_layerfuse.cli.run" in copied
-    assert "tvm_layerfuse.vta.runtime" in copied and "tvm_layerfuse.runtime.vta" in copied
+    assert "tvm_layerfuse.runtime.vta.runtime" in copied and "tvm_layerfuse.runtime.vta.loader" in copied
+    assert "tvm_layerfuse.runtime.vta.rpc_server" in copied and "tvm_layerfuse.runtime.vta.sim" in copied
     assert needed - copied == set()

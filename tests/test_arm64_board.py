@@ -93,7 +93,7 @@ def vta_models(tmp_path_factory):
         pytest.skip("aarch64-linux-gnu-gcc is missing: run scripts/setup_arm64_board.sh (apt: gcc-aarch64-linux-gnu)")
     import json
 
-    from tvm_layerfuse.vta import pipeline
+    from tvm_layerfuse.compile.vta import pipeline
 
     d = tmp_path_factory.mktemp("vta_arm64")
     model = zoo.googlenet(blocks=1, width=0.25, image=16, seed=1)

@@ -919,10 +919,10 @@ def test_bad_vta_run_inputs(vta_artifact):
 
 def test_bad_vta_library_inputs(vta_model, vta_artifact, tmp_path):
     """What the Python API of the vta package refuses (each one line, in the same table)."""
+    from tvm_layerfuse.compile.vta import pipeline
     from tvm_layerfuse.errors import LayerfuseError
-    from tvm_layerfuse.vta import pipeline
-    from tvm_layerfuse.vta.config import DEFAULT
-    from tvm_layerfuse.vta.runtime import HostSteps, load_vta, open_device
+    from tvm_layerfuse.runtime.vta.config import DEFAULT
+    from tvm_layerfuse.runtime.vta.runtime import HostSteps, load_vta, open_device
 
     (tmp_path / "host.so").write_bytes(b"\x7fELF damaged")
     unlisted = tmp_path / "unlisted.vta"

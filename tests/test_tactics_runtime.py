@@ -131,14 +131,14 @@ def _other_version_library(tmp_path: Path, version: int) -> Path:
     source = onednn.SOURCE.read_text().replace(f"kAbiVersion = {abi.ABI_VERSION};", f"kAbiVersion = {version};")
     src = tmp_path / "onednn_conv.cc"
     src.write_text(source)
-    prefix = onednn.root()
+    found = onednn.installation()
     return Path(
         tvm_ffi.cpp.build(
             "layerfuse_onednn_other",
             sources=[str(src)],
             extra_cflags=["-O0", "-fopenmp", "-fvisibility=hidden"],
-            extra_ldflags=[*(f"-L{d}" for d in onednn._lib_dirs(prefix)), "-ldnnl", "-fopenmp"],
-            extra_include_paths=[str(prefix / "include")],
+            extra_ldflags=[f"-L{found.lib_dir}", "-ldnnl", "-fopenmp"],
+            extra_include_paths=[str(found.prefix / "include")],
             build_directory=str(tmp_path / "build"),
         )
     )

@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 
+from tvm_layerfuse.compile.vta import pipeline
+from tvm_layerfuse.compile.vta.quantize import random_samples, reference
 from tvm_layerfuse.errors import ArtifactError, DeviceError, InputError
+from tvm_layerfuse.runtime.vta.runtime import load_vta
 from tvm_layerfuse.testing import zoo
-from tvm_layerfuse.vta import pipeline
-from tvm_layerfuse.vta.quantize import random_samples, reference
-from tvm_layerfuse.vta.runtime import load_vta
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_runtime_side_runs_the_host_library_with_tvms_runtime_only(artifact):
     np.save(art.parent / "x.npy", feeds["input"])
     code = (
         "import json, sys, numpy as np\n"
-        "from tvm_layerfuse.vta.runtime import load_vta\n"
+        "from tvm_layerfuse.runtime.vta.runtime import load_vta\n"
         f"m = load_vta({str(art)!r})\n"
         f"y = m.run({{'input': np.load({str(art.parent / 'x.npy')!r})}}).outputs['output']\n"
         f"np.save({str(art.parent / 'y.npy')!r}, y)\n"

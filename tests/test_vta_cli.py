@@ -2,7 +2,7 @@
 
 ``compile --target vta`` with a calibration file, ``run`` on the simulator, ``inspect
 --compile --target vta``, and ``deploy --rpc`` to a real RPC server subprocess with the
-VTA runtime registered (``python -m tvm_layerfuse.vta.rpc_server``, what a board runs),
+VTA runtime registered (``python -m tvm_layerfuse.runtime.vta.rpc_server``, what a board runs),
 directly and through a real ``tvm.exec.rpc_tracker``, plus a plain ``tvm.exec.rpc_server``
 that has none; a board preset that cross-compiles the host steps for aarch64. The outputs
 are compared bit for bit with the numpy int8 reference of the same quantized graph.
@@ -22,10 +22,10 @@ import onnx
 import pytest
 
 from tvm_layerfuse import runtime
+from tvm_layerfuse.compile.vta import pipeline
 from tvm_layerfuse.deploy import board
 from tvm_layerfuse.errors import ArtifactError
 from tvm_layerfuse.testing import zoo
-from tvm_layerfuse.vta import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (1, 3, 16, 16)
@@ -101,7 +101,7 @@ def test_inspect_compile_vta_reports_placement_and_bytes(compiled):
 
 def test_deploy_rpc_runs_on_the_boards_vta_runtime(compiled):
     art, tmp = compiled["art"], compiled["tmp"]
-    with board.start_server(port=0, module="tvm_layerfuse.vta.rpc_server") as server:
+    with board.start_server(port=0, module="tvm_layerfuse.runtime.vta.rpc_server") as server:
         proc = cli("deploy", str(art), "--rpc", f"127.0.0.1:{server.port}", "--input", str(tmp / "b.npy"),
                    "--output", str(tmp / "yb.npz"), "--repeat", "2", "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -119,7 +119,7 @@ def test_deploy_to_a_server_without_the_vta_runtime_is_one_line(compiled):
         proc = cli("deploy", str(compiled["art"]), "--rpc", f"127.0.0.1:{server.port}", "--timeout", "30")
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "has no VTA runtime" in lines[0] and "tvm_layerfuse.vta.rpc_server" in lines[0], proc.stderr
+    assert len(lines) == 1 and "has no VTA runtime" in lines[0] and "tvm_layerfuse.runtime.vta.rpc_server" in lines[0], proc.stderr
 
 
 def test_bundle_runs_a_vta_artifact_without_the_repository(compiled, tmp_path):
@@ -128,7 +128,7 @@ def test_bundle_runs_a_vta_artifact_without_the_repository(compiled, tmp_path):
     from tvm_layerfuse.deploy.bundle import make_bundle
 
     bundle = make_bundle(compiled["art"], tmp_path / "bundle")
-    assert "tvm_layerfuse.vta.rpc_server" in (bundle / "rpc_server.sh").read_text()
+    assert "tvm_layerfuse.runtime.vta.rpc_server" in (bundle / "rpc_server.sh").read_text()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TVM"))}
     proc = subprocess.run(
         [sys.executable, "-I", str(bundle / "run.py"), "--input", str(compiled["tmp"] / "a.npy"), "--output", str(tmp_path / "y.npz")],
@@ -145,7 +145,7 @@ def test_deploy_through_a_tracker_to_the_vta_rpc_server(compiled):
     under K (real tracker and server subprocesses); each run is a session of its own."""
     art, tmp = compiled["art"], compiled["tmp"]
     with board.start_tracker(port=0) as tracker:
-        with board.start_server(port=0, tracker=tracker.address, key="vta-sim", module="tvm_layerfuse.vta.rpc_server") as server:
+        with board.start_server(port=0, tracker=tracker.address, key="vta-sim", module="tvm_layerfuse.runtime.vta.rpc_server") as server:
             proc = cli("deploy", str(art), "--tracker", "{}:{}".format(*tracker.address), "--key", "vta-sim", "--input",
                        str(tmp / "a.npy"), "--output", str(tmp / "yt.npz"), "--repeat", "2", "--timeout", "60", "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -181,7 +181,7 @@ def test_a_board_preset_cross_compiles_the_host_steps(compiled, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert "holds host steps compiled for aarch64, but this machine is x86_64" in lines[0]
-    with board.start_server(port=0, module="tvm_layerfuse.vta.rpc_server") as server:
+    with board.start_server(port=0, module="tvm_layerfuse.runtime.vta.rpc_server") as server:
         proc = cli("deploy", str(art), "--rpc", f"127.0.0.1:{server.port}", "--timeout", "30")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr

@@ -4,7 +4,7 @@ One library holds a host op for every kind of host step and every ONNX op the nu
 know (stem conv with its epilogue and split outputs, grouped/dilated convs, LeakyRelu,
 SiLU, LRN, pools with ceil mode and padding, the classifier, softmax ...). Each compiled
 function runs through the runtime's :class:`HostSteps` (TVM's runtime VM) and must equal
-:func:`tvm_layerfuse.vta.host.run_steps` to float64 rounding, and exactly where the inputs
+:func:`tvm_layerfuse.runtime.vta.host.run_steps` to float64 rounding, and exactly where the inputs
 are dequantized int8 values (max pools, global average of a power-of-two grid).
 """
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from tvm_layerfuse.compile.presets import resolve
+from tvm_layerfuse.compile.vta.host_library import build_host_library, host_onnx
 from tvm_layerfuse.errors import ArtifactError
-from tvm_layerfuse.vta import host
-from tvm_layerfuse.vta.host_library import build_host_library, host_onnx
-from tvm_layerfuse.vta.runtime import HostSteps
+from tvm_layerfuse.runtime.vta import host
+from tvm_layerfuse.runtime.vta.runtime import HostSteps
 
 RNG = np.random.default_rng(7)
 X = (1, 4, 9, 9)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tvm_layerfuse.errors import UsageError
-from tvm_layerfuse.vta import isa
-from tvm_layerfuse.vta.config import DEFAULT, VTAConfig, config_from_dict, load_config
+from tvm_layerfuse.runtime.vta import isa
+from tvm_layerfuse.runtime.vta.config import DEFAULT, VTAConfig, config_from_dict, load_config
 
 SMALL_BUFFERS = {"LOG_INP_BUFF_SIZE": 14, "LOG_ACC_BUFF_SIZE": 16}
 

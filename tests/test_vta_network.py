@@ -1,13 +1,13 @@
-"""Whole networks on VTA: simulator bit-exact with the numpy int8 reference, fusion gain, accuracy."""
+"""Whole networks on VTA: the simulator in hardware mode bit-exact with the numpy int8 reference, fusion gain, accuracy."""
 
 import numpy as np
 import pytest
 
+from tvm_layerfuse.compile.vta import pipeline
+from tvm_layerfuse.compile.vta.graph import ConcatOp, ConvOp
+from tvm_layerfuse.compile.vta.quantize import random_samples, reference
+from tvm_layerfuse.runtime.vta.config import config_from_dict
 from tvm_layerfuse.testing import zoo
-from tvm_layerfuse.vta import pipeline
-from tvm_layerfuse.vta.config import config_from_dict
-from tvm_layerfuse.vta.graph import ConcatOp, ConvOp
-from tvm_layerfuse.vta.quantize import random_samples, reference
 
 
 def _check_bit_exact(b, feeds):
@@ -15,9 +15,9 @@ def _check_bit_exact(b, feeds):
         compiled = b.fused if fused else b.unfused
         trace = {}
         ref = reference(compiled.graph, b.quantization, feeds, trace=trace)
-        from tvm_layerfuse.vta.executor import execute
+        from tvm_layerfuse.compile.vta.executor import execute
 
-        run = execute(compiled, feeds, trace=True)
+        run = execute(compiled, feeds, trace=True, device="sim")  # the hardware mode: what VTA executes
         for name, value in trace.items():  # every int8 tensor a VTA op produced
             np.testing.assert_array_equal(run.ints[name], value, err_msg=name)
         for name in compiled.graph.outputs:
@@ -64,18 +64,40 @@ def test_fusion_moves_fewer_bytes_and_instructions(name, request):
     model, b = request.getfixturevalue(name)
     g = pipeline.gain(b, random_samples(b.graph, 1, seed=3)[0])
     fused, unfused = g["fused"], g["unfused"]
-    assert fused["gemm_counter"] == unfused["gemm_counter"]  # the same arithmetic
+    # the same conv arithmetic; int8 data reaches the accumulators through identity GEMMs, one per
+    # residual element fused, one per input element of an unfused element-wise program or copy
+    assert fused["gemm_counter"] <= unfused["gemm_counter"]
     assert fused["dram_nbytes"] < unfused["dram_nbytes"]
     assert fused["out_store_nbytes"] < unfused["out_store_nbytes"]
     assert fused["insn_count"] < unfused["insn_count"]
-    assert fused["wgt_load_nbytes"] == unfused["wgt_load_nbytes"]
+    # the same conv weights; each program that adds int8 data loads the identity block once
+    assert fused["wgt_load_nbytes"] - _identity_bytes(b.fused) == unfused["wgt_load_nbytes"] - _identity_bytes(b.unfused)
 
 
-def test_int8_close_to_fp32(resnet, inception):
-    for model, b in (resnet, inception):
-        acc = pipeline.accuracy(b, model, random_samples(b.graph, 3, seed=21))
-        assert acc["max_rel_error"] < 0.5, acc
-        assert acc["top1_agreement"] >= 2 / 3, acc
+def _identity_bytes(compiled):
+    """Bytes of identity weight blocks the programs of one inference load."""
+    from tvm_layerfuse.runtime.vta import isa
+
+    if "wgt:identity" not in compiled.regions:
+        return 0
+    base = compiled.regions["wgt:identity"][0] // compiled.cfg.wgt_elem_bytes
+    loads = [i for p in compiled.programs.values() for i in p.insns
+             if isinstance(i, isa.MemInsn) and i.memory_type == isa.MEM_WGT and i.dram_base == base]
+    return len(loads) * compiled.cfg.wgt_elem_bytes
+
+
+# Measured (seeded, deterministic) on 3 inputs: resnet 0.200, inception 0.061 max relative error,
+# top-1 agreement 1.0 for both. A requantization rounding constant off by one bit gives resnet 0.31
+# and top-1 0.667. The bounds leave 20 % headroom over the measured error.
+INT8_MAX_REL_ERROR = {"resnet": 0.24, "inception": 0.075}
+
+
+@pytest.mark.parametrize("name", ["resnet", "inception"])
+def test_int8_close_to_fp32(name, request):
+    model, b = request.getfixturevalue(name)
+    acc = pipeline.accuracy(b, model, random_samples(b.graph, 3, seed=21))
+    assert acc["max_rel_error"] < INT8_MAX_REL_ERROR[name], acc
+    assert acc["top1_agreement"] == 1.0, acc
 
 
 def test_small_buffers_force_tiling_and_stay_exact():
@@ -97,7 +119,7 @@ def test_generated_programs_need_their_dependency_tokens(inception):
     """Dropping the tokens of a generated program is caught, never a silent wrong result."""
     import dataclasses
 
-    from tvm_layerfuse.vta.sim import DeadlockError, HazardError, Simulator
+    from tvm_layerfuse.runtime.vta.sim import DeadlockError, HazardError, Simulator
 
     model, b = inception
     name, prog = next((n, p) for n, p in b.fused.programs.items() if p.kind == "conv" and len(p.insns) > 8)
@@ -152,8 +174,8 @@ def test_zoo_networks_bit_exact_and_fusion_pays(name):
 def test_vta_ops_in_float_match_onnxruntime(name, request):
     """The lowering's algebra (folded weights, merged branches, epilogues, unfused split) before
     any quantization: float64 execution of both forms vs onnxruntime."""
+    from tvm_layerfuse.compile.vta.quantize import run_float
     from tvm_layerfuse.testing.checks import run_onnxruntime
-    from tvm_layerfuse.vta.quantize import run_float
 
     model, b = request.getfixturevalue(name)
     for feeds in random_samples(b.graph, 2, seed=31):
@@ -166,9 +188,9 @@ def test_vta_ops_in_float_match_onnxruntime(name, request):
 def test_activation_before_residual_runs_its_own_layers_on_the_host():
     """Conv -> ReLU -> Add(x): VTA's epilogue adds before activating, so the host runs the group
     layer by layer (in float: the onnxruntime result), never the reordered algebra."""
+    from tvm_layerfuse.compile.vta.quantize import run_float
     from tvm_layerfuse.testing._builder import NetBuilder
     from tvm_layerfuse.testing.checks import run_onnxruntime
-    from tvm_layerfuse.vta.quantize import run_float
 
     nb = NetBuilder("act_then_add", seed=0, opset=13, bn="separate", clip="inputs", quirks=False)
     x = nb.input("input", (1, 16, 8, 8))
@@ -187,8 +209,8 @@ def test_lrn_and_dropout_with_a_mask_run_on_the_host():
     onnxruntime in float, and the simulator stays bit-exact with the int8 reference."""
     from onnx import TensorProto, helper, numpy_helper
 
+    from tvm_layerfuse.compile.vta.quantize import run_float
     from tvm_layerfuse.testing.checks import run_onnxruntime
-    from tvm_layerfuse.vta.quantize import run_float
 
     rng = np.random.default_rng(4)
     w = numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32) * 0.2, "w")

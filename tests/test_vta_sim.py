@@ -1,11 +1,12 @@
-"""The functional VTA simulator: small LOAD/GEMM/ALU/STORE programs against numpy, token misuse."""
+"""The VTA simulator: small LOAD/GEMM/ALU/STORE programs against numpy, token misuse (programs with
+acc8 loads, MUL or stores of loaded accumulators run in the functional mode, upstream's sim_driver.cc)."""
 
 import numpy as np
 import pytest
 
-from tvm_layerfuse.vta import isa
-from tvm_layerfuse.vta.config import DEFAULT
-from tvm_layerfuse.vta.sim import (
+from tvm_layerfuse.runtime.vta import isa
+from tvm_layerfuse.runtime.vta.config import DEFAULT
+from tvm_layerfuse.runtime.vta.sim import (
     DRAM,
     DeadlockError,
     HazardError,
@@ -84,7 +85,7 @@ def _with(insn, **kw):
 def test_gemm_alu_store_against_numpy(shift, residual):
     rng = np.random.default_rng(shift)
     dram, prog, out_a, expect = _gemm_program(rng, relu_shift=shift, residual=residual)
-    sim = Simulator(DEFAULT, dram)
+    sim = Simulator(DEFAULT, dram, mode="functional" if residual else "hardware")
     stats = sim.run(isa.encode_stream(prog))  # through the bytes VTA would fetch
     got = dram.read(out_a * 16, expect.size).view(np.int8).reshape(expect.shape)
     np.testing.assert_array_equal(got, expect)
@@ -109,7 +110,7 @@ def test_load_padding_and_strides():
                     x_stride=6, pop_prev=True, push_prev=True),
         isa.FinishInsn(pop_next=True),
     ]
-    Simulator(DEFAULT, dram).run(prog)
+    Simulator(DEFAULT, dram, mode="functional").run(prog)
     expect = np.zeros((6, 6, B), np.int8)
     expect[1:4, 1:5] = img[1:4, 2:6]
     got = dram.read(out_a * 16, 4 * 6 * B).view(np.int8).reshape(4, 6, B)
@@ -133,7 +134,7 @@ def test_alu_register_ops_and_sequential_dependence():
                     x_stride=4, pop_prev=True, push_prev=True),
         isa.FinishInsn(pop_next=True),
     ]
-    Simulator(DEFAULT, dram).run(prog)
+    Simulator(DEFAULT, dram, mode="functional").run(prog)  # acc[0] is stored as loaded
     got = dram.read(out_a * 16, 4 * B).view(np.int8).reshape(4, B)
     np.testing.assert_array_equal(got, np.cumsum(vals, axis=0).astype(np.int8))
 
@@ -154,7 +155,7 @@ def test_shr_negative_shifts_left_and_mul():
                     x_stride=1, pop_prev=True, push_prev=True),
         isa.FinishInsn(pop_next=True),
     ]
-    Simulator(DEFAULT, dram).run(prog)
+    Simulator(DEFAULT, dram, mode="functional").run(prog)
     got = dram.read(out_a * 16, B).view(np.int8)
     np.testing.assert_array_equal(got, ((vals[0] * 4 * 3) >> 3).astype(np.int8))
 
@@ -209,7 +210,7 @@ def test_relocated_program_computes_the_same_at_another_base():
     base = 1 << 20  # the image moved to 1 MiB, as a board driver places it
     moved = DRAM(base + dram.data.size)
     moved.write(base, dram.data)
-    Simulator(DEFAULT, moved).run(isa.relocate(prog, base))
+    Simulator(DEFAULT, moved, mode="functional").run(isa.relocate(prog, base))
     got = moved.read(base + out_a * 16, expect.size).view(np.int8).reshape(expect.shape)
     np.testing.assert_array_equal(got, expect)
     with pytest.raises(isa.ISAError, match="not a multiple"):
@@ -225,7 +226,7 @@ from hypothesis import strategies as hst  # noqa: E402
 
 @functools.lru_cache(maxsize=1)
 def _small_cfg():
-    from tvm_layerfuse.vta.config import config_from_dict
+    from tvm_layerfuse.runtime.vta.config import config_from_dict
 
     return config_from_dict({"LOG_BLOCK": 2, "LOG_INP_BUFF_SIZE": 10, "LOG_WGT_BUFF_SIZE": 10,
                              "LOG_ACC_BUFF_SIZE": 10, "LOG_UOP_BUFF_SIZE": 10})
@@ -238,7 +239,7 @@ def test_gemm_and_alu_match_the_sequential_loop_nest(seed, alu, use_imm, op):
     the vectorised simulator equals hw_spec.h's sequential loop, step by step."""
     cfg = _small_cfg()  # block 4; indices drawn from a few elements so that steps collide
     rng = np.random.default_rng(seed)
-    sim = Simulator(cfg, DRAM(16))
+    sim = Simulator(cfg, DRAM(16), mode="functional")  # MUL, any shift
     sim.inp[:] = rng.integers(-128, 128, sim.inp.shape)
     sim.wgt[:] = rng.integers(-128, 128, sim.wgt.shape)
     sim.acc[:] = rng.integers(-1000, 1000, sim.acc.shape)

@@ -35,7 +35,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "--vta", action="store_true", help="serve vta artifacts: the VTA runtime (simulator) registered in the server"
         )
         if role == "server":
-            p.add_argument("--load-library", help="extra library to load, e.g. .../tvm/lib/libtvm_runtime_cuda.so")
+            p.add_argument(
+                "--load-library",
+                help="extra libraries to load (':'-separated), e.g. .../tvm/lib/libtvm_runtime_cuda.so; "
+                "PyPI's oneDNN (libdnnl.so.2) of this Python environment is loaded without asking",
+            )
         else:
             p.add_argument(
                 "--cache", help=f"the board's directory (default ${ARM64_ENV} or ~/.cache/tvm_layerfuse/arm64-board)"
@@ -55,8 +59,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         else:
             bp = start_server(
-                host=args.host, port=args.port, tracker=args.tracker, key=args.key, load_library=args.load_library,
-                module="tvm_layerfuse.vta.rpc_server" if args.vta else "tvm.exec.rpc_server",
+                host=args.host, port=args.port, tracker=args.tracker, key=args.key,
+                load_library=":".join(filter(None, [args.load_library, *environment_vendor_libraries()])) or None,
+                module="tvm_layerfuse.runtime.vta.rpc_server" if args.vta else "tvm.exec.rpc_server",
             )
     except LayerfuseError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -75,6 +80,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bp.stop()
     print(f"error: the {bp.role} exited (status {bp.proc.returncode}); see {bp.log_path}", file=sys.stderr)
     return 1
+
+
+def environment_vendor_libraries() -> list[str]:
+    """The tactic libraries' vendor libraries that pip installed into this Python environment
+    (``onednn-cpu-gomp``: ``PREFIX/lib/libdnnl.so.2``), for the server to load before any
+    artifact's tactic library (the system loader does not look in a Python prefix)."""
+    from ..runtime.tactics import VENDOR_LIBRARIES, environment_lib_dirs
+
+    found = []
+    for soname in VENDOR_LIBRARIES:
+        where = next((d / soname for d in environment_lib_dirs() if (d / soname).is_file()), None)
+        if where is not None:
+            found.append(str(where.resolve()))
+    return found
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -80,8 +80,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         say(args, f"wrote {write_svg(result, Path(args.svg))}")
     compiled = None
     if args.compile and _is_vta(args):
-        from ..vta.config import DEFAULT, load_config
-        from ..vta.pipeline import build, format_report, read_calibration, report
+        from ..compile.vta.pipeline import build, format_report, read_calibration, report
+        from ..runtime.vta.config import DEFAULT, load_config
 
         opts = _vta_options(args)
         calibration = opts["calibration"]
@@ -246,7 +246,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _compile_vta(args: argparse.Namespace, model: Path) -> int:
-    from ..vta.pipeline import compile_vta, format_report
+    from ..compile.vta.pipeline import compile_vta, format_report
 
     if args.no_fuse or args.arch:
         raise UsageError(

@@ -37,6 +37,7 @@ def cmd_deploy(args) -> int:
         timeout=args.timeout,
         session_timeout=args.session_timeout,
         seed=args.seed,
+        upload_onednn=args.upload_onednn,
     )
     if args.output:
         write_outputs(args.output, result.outputs)
@@ -122,6 +123,11 @@ def add_deploy_parser(subparsers, *, parents: Optional[Sequence[Any]] = None) ->
         default=None,
         metavar="S",
         help="the board ends a session after S seconds (default: sum of the step deadlines)",
+    )
+    p.add_argument(
+        "--upload-onednn",
+        action="store_true",
+        help="send this machine's libdnnl.so.2 with a oneDNN artifact (~40 MB), for a board without oneDNN installed",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_deploy)

@@ -19,7 +19,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", action="append", default=[], metavar="FILE|NAME=FILE", help=".npy, .npz or image; repeatable")
     p.add_argument("--output", metavar="Y.npz", help="store the outputs (atomically) instead of only printing them")
     p.add_argument(
-        "--device", help="cpu, cuda or cuda:N (default cpu); for a vta artifact sim (default: the simulator) or board"
+        "--device", help="cpu, cuda or cuda:N (default cpu); for a vta artifact sim (default: the simulator, hardware mode), "
+        "sim-functional (upstream's functional simulator, for comparison) or board"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random input used when --input is not given")
     p.add_argument("--top", type=int, default=5, help="classes shown per sample for classifier outputs")

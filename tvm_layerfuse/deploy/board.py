@@ -18,7 +18,7 @@ Each starts ``python -m tvm.exec.rpc_server`` (or ``rpc_tracker``) with
 ``scripts/setup_arm64_board.sh`` prepares (see :func:`arm64_board`). TVM's server starts its
 worker with ``sys.executable``; without binfmt_misc the kernel cannot exec an AArch64
 binary, so ``sys.executable`` is pointed at the tree's x86 wrapper script, which execs qemu.
-``arm64 --vta`` serves vta artifacts there: ``tvm_layerfuse.vta.rpc_server`` (the simulator
+``arm64 --vta`` serves vta artifacts there: ``tvm_layerfuse.runtime.vta.rpc_server`` (the simulator
 standing in for the FPGA) with tvm_layerfuse's runtime files, as a bundle holds them
 (:func:`tvm_layerfuse.deploy.bundle.copy_runtime`), on the board's ``PYTHONPATH``.
 
@@ -306,7 +306,7 @@ def start_server(
 ) -> BoardProcess:
     """Start ``python -m tvm.exec.rpc_server --host HOST --port PORT`` (runtime-only TVM).
 
-    ``module``: the server module; ``tvm_layerfuse.vta.rpc_server`` is TVM's server with the
+    ``module``: the server module; ``tvm_layerfuse.runtime.vta.rpc_server`` is TVM's server with the
     VTA runtime registered (the board side of a ``vta`` artifact).
 
     ``port=0`` picks a free port (see ``.port``). ``tracker``/``key`` register it with a
@@ -433,7 +433,7 @@ def start_arm64_board(
 ) -> BoardProcess:
     """Start the RPC server of the emulated AArch64 board (qemu-user; see the module docstring).
 
-    ``vta=True``: the VTA board server (``tvm_layerfuse.vta.rpc_server``, simulator device)
+    ``vta=True``: the VTA board server (``tvm_layerfuse.runtime.vta.rpc_server``, simulator device)
     with tvm_layerfuse's runtime files copied, as into a bundle, to a temporary directory on
     the board's ``PYTHONPATH`` (removed when the server stops).
     """
@@ -468,7 +468,7 @@ def start_arm64_board(
             machine=board.get("machine", "aarch64"),
             ready_timeout=ready_timeout,
             log_path=log_path,
-            module="tvm_layerfuse.vta.rpc_server" if vta else "tvm.exec.rpc_server",
+            module="tvm_layerfuse.runtime.vta.rpc_server" if vta else "tvm.exec.rpc_server",
         )
     except BaseException:
         if site is not None:

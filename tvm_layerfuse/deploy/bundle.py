@@ -5,7 +5,9 @@
     DIR/
       run.py            python run.py [--input x.npy] [--output y.npz] [--device cpu|cuda]
       rpc_server.sh     ./rpc_server.sh [--host 127.0.0.1] [--port 9091] [--tracker H:P --key K]
-      artifact/         the compiled artifact (checked before copying)
+      artifact/         the compiled artifact (checked before copying); for an artifact whose
+                        layers run on oneDNN, also libdnnl.so.2 beside tactics_onednn.so (which
+                        finds it through its $ORIGIN run path), so the target needs no oneDNN
       site/             tvm (runtime library only), tvm_ffi, ml_dtypes, typing_extensions,
                         cloudpickle, psutil, and tvm_layerfuse's runtime package (with the
                         VTA runtime: a vta artifact runs on the simulator, rpc_server.sh
@@ -61,11 +63,9 @@ PACKAGES = ("tvm", "tvm_ffi", "ml_dtypes", "typing_extensions", "cloudpickle", "
 # that none of them imports the compiler).
 RUNTIME_PACKAGE = "runtime"
 LOADER = ("__init__.py", "errors.py", "cli/__init__.py", "cli/run.py")
-# The runtime side of the VTA target (numpy + TVM's runtime): what runtime.load needs for a vta
-# artifact, and the board's server (python -m tvm_layerfuse.vta.rpc_server).
-VTA_RUNTIME = tuple(
-    f"vta/{m}.py" for m in ("__init__", "runtime", "rpc_server", "sim", "isa", "encoding", "config", "layout", "host", "numerics")
-)
+# The runtime side of the VTA target (numpy + TVM's runtime: what runtime.load needs for a vta
+# artifact, and the board's server, python -m tvm_layerfuse.runtime.vta.rpc_server) is
+# runtime/vta/, part of the runtime package.
 WHEELS = {
     "tvm": "apache-tvm=={tvm}",
     "tvm_ffi": "apache-tvm-ffi=={ffi}",
@@ -136,9 +136,10 @@ def make_bundle(
         _prune(site)
         copy_runtime(site)
         shutil.copytree(artifact_dir, tmp / "artifact", ignore=shutil.ignore_patterns(".*"))
+        copy_vendor_libraries(manifest, tmp / "artifact", machine=machine, artifact_dir=artifact_dir)
         _write(tmp / "run.py", RUN_PY, executable=True)
         vta = manifest["target"].get("device") == "vta"  # its server runs the VTA runtime (simulator)
-        server = "tvm_layerfuse.vta.rpc_server" if vta else "tvm.exec.rpc_server"
+        server = "tvm_layerfuse.runtime.vta.rpc_server" if vta else "tvm.exec.rpc_server"
         _write(tmp / "rpc_server.sh", RPC_SH.replace("{server}", server), executable=True)
         _write(
             tmp / "README.txt",
@@ -153,17 +154,38 @@ def make_bundle(
 
 
 def copy_runtime(site: Path) -> Path:
-    """Copy tvm_layerfuse's runtime side (``RUNTIME_PACKAGE``, ``LOADER``, ``VTA_RUNTIME``) into
+    """Copy tvm_layerfuse's runtime side (``RUNTIME_PACKAGE`` with the VTA runtime, ``LOADER``) into
     ``site/tvm_layerfuse``; with ``site`` on ``PYTHONPATH`` a runtime-only Python can load any
-    artifact and serve vta ones (``python -m tvm_layerfuse.vta.rpc_server``). Returns the package."""
+    artifact and serve vta ones (``python -m tvm_layerfuse.runtime.vta.rpc_server``). Returns the package."""
     pkg = Path(site) / "tvm_layerfuse"
     pkg.mkdir()
     here = Path(__file__).resolve().parents[1]
     shutil.copytree(here / RUNTIME_PACKAGE, pkg / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in LOADER + VTA_RUNTIME:
+    for name in LOADER:
         (pkg / name).parent.mkdir(exist_ok=True)
         shutil.copy2(here / name, pkg / name)
     return pkg
+
+
+def copy_vendor_libraries(manifest: dict, dest: Path, *, machine: str, artifact_dir: Path) -> list[str]:
+    """Copy the vendor libraries that the artifact's tactic libraries need (``libdnnl.so.2``)
+    into ``dest``, beside them, from where this machine loads them; returns their names."""
+    from ..runtime.tactics import vendor_file
+
+    copied = []
+    for entry in (manifest.get("tactics") or {}).get("libraries") or []:
+        for soname in entry.get("needs") or []:
+            built = Path((entry.get("built_against") or {}).get("library") or "")
+            found = vendor_file(soname, artifact_dir / entry["file"], [built.parent] if built.name == soname else [])
+            if found is None or machine != _machine():
+                why = "is not installed here" if found is None else f"here is for {_machine()}, the artifact for {machine}"
+                raise BuildError(
+                    f"artifact {str(artifact_dir)!r} needs {soname} for {entry['file']}, which {why}; "
+                    f"install it ({entry.get('install') or 'see README'}) and bundle again, or compile with --tactics tvm"
+                )
+            shutil.copy2(found, dest / soname)  # a copy, not a link: the bundle moves to another machine
+            copied.append(soname)
+    return copied
 
 
 def size_of(path: Path) -> dict[str, int]:

@@ -27,7 +27,7 @@ What happens, in order (every step that waits on the network has a deadline):
 A ``vta`` artifact (target device ``vta``): step 3 checks the board's machine against its host
 library's (``host.so``, the TVM-compiled host steps); step 4 uploads its VTA files and
 calls the VTA runtime that the board's server registers (``python -m
-tvm_layerfuse.vta.rpc_server``; see :mod:`tvm_layerfuse.vta.rpc_server`); the result also holds
+tvm_layerfuse.runtime.vta.rpc_server``; see :mod:`tvm_layerfuse.runtime.vta.rpc_server`); the result also holds
 VTA's counters. A server without that runtime is refused before anything runs.
 
 TVM's RPC client is C++ and blocks without a deadline (connect, every call), so steps
@@ -55,7 +55,7 @@ from ..errors import DeployError, UsageError
 from ..runtime import artifact
 from ..runtime.io import random_inputs
 from ..runtime.loader import Inputs, parse_device
-from .inputs import Address, check_device, check_library, normalize_inputs, parse_address
+from .inputs import Address, check_device, check_library, normalize_inputs, parse_address, tactic_entries, vendor_uploads
 from .results import BoardInfo, DeployResult, RunRecord, stats
 from .watchdog import run_worker
 
@@ -81,6 +81,7 @@ def deploy(
     session_timeout: Optional[float] = None,
     seed: int = 0,
     progress: Optional[Callable[[str], None]] = None,
+    upload_onednn: bool = False,
 ) -> DeployResult:
     """Run the artifact ``artifact_dir`` on a board over TVM RPC; see the module docstring.
 
@@ -95,7 +96,9 @@ def deploy(
     first run). ``session_timeout`` is passed to the server, which ends the session (and
     frees the board) after that long even if this client vanished; default: the sum of the
     step deadlines, at most a day. ``inputs=None`` draws seeded random inputs (``seed``).
-    ``progress`` receives a line per step. Raises :class:`DeployError` (one line) when the
+    ``progress`` receives a line per step. An artifact whose layers run on oneDNN has its
+    tactic library uploaded and loaded first (:mod:`.remote_tactics`); ``upload_onednn`` also
+    sends this machine's ``libdnnl.so.2``, for a board without oneDNN. Raises :class:`DeployError` (one line) when the
     tracker, the link or the board fails, :class:`DeployTimeoutError` when a step passes
     its deadline, :class:`BoardMismatchError` before uploading when the artifact does not
     fit the board.
@@ -133,6 +136,8 @@ def deploy(
         device = kind if kind == "cpu" else f"cuda:{index}"
         artifact.verify(path, manifest)
         check_library(path, manifest)
+    tactics = [] if vta else tactic_entries(path, manifest)
+    upload_vendor = vendor_uploads(path, manifest) if upload_onednn else None
     if inputs is None:
         inputs = random_inputs(manifest["inputs"], seed=seed)
         log.info("no inputs given: seeded random inputs (seed %d)", seed)
@@ -140,7 +145,8 @@ def deploy(
 
     sessions = repeat if tracker_addr else 1
     per_session = 1 if tracker_addr else repeat
-    steps = 6 + per_session  # connect, probe, upload, load, weights, run + at most one timing step per run
+    # connect, probe, upload, load, weights, run + at most one timing step per run (+ the tactic libraries)
+    steps = 6 + per_session + 3 * len(tactics)
     if session_timeout is None:
         session_timeout = min(float(timeout) * steps, MAX_SESSION_TIMEOUT)
     elif not isinstance(session_timeout, (int, float)) or not 0 < session_timeout <= MAX_SESSION_TIMEOUT:
@@ -174,6 +180,8 @@ def deploy(
             "timeout": float(timeout),
             "session_timeout": float(session_timeout),
             "vta_files": _vta_files(path, manifest) if vta else None,
+            "tactics": tactics,
+            "upload_vendor": upload_vendor,
         }
         records = run_worker(job, timeout=float(timeout), progress=progress)
         return _assemble(path, manifest, device, records, started)
@@ -183,7 +191,7 @@ def deploy(
 
 def _vta_files(path: Path, manifest: dict[str, Any]) -> dict[str, str]:
     """The files a VTA board loads, with their checksums (the manifest's ``files``)."""
-    from ..vta.runtime import FILES, HOST_LIBRARY, MANIFEST
+    from ..runtime.vta.runtime import FILES, HOST_LIBRARY, MANIFEST
 
     names = (MANIFEST, *FILES) + ((HOST_LIBRARY,) if HOST_LIBRARY in manifest["files"] else ())
     return {name: manifest["files"][name] for name in names}

@@ -76,13 +76,40 @@ def check_library(path: Path, manifest: Mapping[str, Any]) -> None:
             f"library {manifest['library']!r} of artifact {str(path)!r} is {found} code, but the manifest says "
             f"{expected}; the artifact was edited or mixed up - re-run `compile`"
         )
-    tactic_libraries = (manifest.get("tactics") or {}).get("libraries") or []
-    if tactic_libraries:  # the board would need the library loaded before the model (not uploaded yet)
-        names = ", ".join(str(lib.get("file")) for lib in tactic_libraries if isinstance(lib, dict))
-        raise ArtifactError(
-            f"artifact {str(path)!r} runs conv layers on a tactic library ({names}), which deploy does not upload; "
-            "nothing was uploaded - compile it with --tactics tvm for RPC boards, or `bundle` it for the board"
-        )
+    for entry in (manifest.get("tactics") or {}).get("libraries") or []:
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or name not in manifest.get("files", {}):
+            raise ArtifactError(
+                f"manifest of {str(path)!r} has a tactic library entry {str(entry)[:80]} that names no file of the artifact; "
+                "re-run `compile`"
+            )
+
+
+def tactic_entries(path: Path, manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The tactic libraries a board loads before the model: file, checksum, what they need."""
+    return [
+        {"file": e["file"], "sha256": manifest["files"][e["file"]], "needs": list(e.get("needs") or []), "install": e.get("install")}
+        for e in (manifest.get("tactics") or {}).get("libraries") or []
+    ]
+
+
+def vendor_uploads(path: Path, manifest: Mapping[str, Any]) -> dict[str, str]:
+    """``deploy --upload-onednn``: this machine's copy of each vendor library the artifact's
+    tactic libraries need (soname -> path); raises ArtifactError when one is not here."""
+    from ..runtime.tactics import vendor_file
+
+    found: dict[str, str] = {}
+    for entry in tactic_entries(path, manifest):
+        for soname in entry["needs"]:
+            where = vendor_file(soname, Path(path) / entry["file"])
+            if where is None:
+                raise ArtifactError(
+                    f"--upload-onednn: {soname} is not installed on this machine; install it ({entry['install']}) and deploy again"
+                )
+            found[soname] = str(where)
+    if not found:
+        raise UsageError(f"--upload-onednn: artifact {str(path)!r} runs no layer on oneDNN; nothing to upload - leave the option out")
+    return found
 
 
 def fit_board(manifest: Mapping[str, Any], *, board: str, machine: Optional[str]) -> None:

@@ -24,6 +24,7 @@ from ..errors import ArtifactError, BoardMismatchError, first_line
 from ..runtime import artifact
 from ..runtime.loader import contiguous, read_weights
 from .inputs import elf_machine, fit_board
+from .remote_tactics import RemoteTacticsError, load_on_board
 from .tracker import StepFailure, TrackerClient
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,16 @@ def main() -> None:
         _run(job, emit)
         emit("done")
     except StepFailure as f:
-        emit("error", kind=f.kind, message=f.message)
+        kind, message = f.kind, f.message
+        # a refusal on the board: close its session first (the traceback's frames hold it), so
+        # that TVM's server sees an orderly end and goes on serving; a session cut by the kill
+        # that follows the error event would stop the server's accept loop
+        f.__traceback__ = None
+        del f
+        import gc
+
+        gc.collect()
+        emit("error", kind=kind, message=message)
     except BaseException as e:  # noqa: BLE001 - everything reaches the parent as one line
         emit("error", kind="internal", message=f"the RPC client failed: {type(e).__name__}: {first_line(e, last=True)}")
     finally:
@@ -128,6 +138,18 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
             )
 
         # -------- upload, load, run, time
+        if job.get("tactics"):  # the tactic library (and what it needs) before the model
+            what = "loading the tactic library"
+            try:
+                load_on_board(
+                    sess, job["tactics"], artifact=art, board=board, upload_vendor=job.get("upload_vendor"), step=step
+                )
+            except RemoteTacticsError as e:
+                raise StepFailure("mismatch", str(e)) from None
+            except StepFailure:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise StepFailure("board", _session_failure(board, what, e, job)) from None
         try:
             what = step(f"uploading {job['library']} ({len(lib_bytes) / 1e6:.1f} MB)")
             sess.upload(bytearray(lib_bytes), "model.so")
@@ -174,11 +196,11 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
         gc.collect()
 
 
-VTA_SERVER = "python -m tvm_layerfuse.vta.rpc_server"
+VTA_SERVER = "python -m tvm_layerfuse.runtime.vta.rpc_server"
 
 
 def _run_vta(job: dict[str, Any], emit: Callable[..., None], art: Path) -> None:
-    """A VTA artifact: its files go to the board's VTA runtime (:mod:`tvm_layerfuse.vta.rpc_server`),
+    """A VTA artifact: its files go to the board's VTA runtime (:mod:`tvm_layerfuse.runtime.vta.rpc_server`),
     which runs the programs on its device (simulator or VTA) and the host steps in the
     artifact's TVM-compiled ``host.so`` (built for the board's machine: checked first)."""
     import gc

@@ -10,7 +10,8 @@
 * :mod:`.loader` - :func:`load` / :class:`Runtime`: checks, then loads the library and weights;
 * :mod:`.io` - input files (.npy/.npz/images) and output files (.npz), shared by ``run`` and ``deploy``;
 * :mod:`.tactics` - the CPU-extension check and the tactic libraries an artifact carries (oneDNN).
-* :mod:`.vta` - :class:`VTARuntime`, a VTA artifact (simulator or board) behind the same interface.
+* :mod:`.vta` - the VTA target's runtime half; :class:`.vta.loader.VTARuntime`, a VTA artifact (simulator or
+  board) behind the same interface.
 
 :func:`load` reads the manifest and picks the loader by the artifact's target: one call
 for every target.
@@ -33,7 +34,7 @@ def load(path: Union[str, os.PathLike], *, device: Optional[str] = None):
     ``cuda`` or ``cuda:N``, or a VTA artifact for ``sim`` (default) or ``board``."""
     manifest = artifact.read_manifest(Path(path))
     if manifest["target"].get("device") == "vta":
-        from .vta import VTARuntime
+        from .vta.loader import VTARuntime
 
         return VTARuntime(path, device=device or "sim", manifest=manifest)
     return _load_library(path, device=device or "cpu")

@@ -11,14 +11,23 @@ What a board needs and nothing more (no ``tvm.relax``, no onnx, no compiler):
   it registers its global functions (``layerfuse.onednn.*``), which the compiled model
   calls through ``R.call_dps_packed``. Where the vendor library itself is missing, one
   line names it and the command that installs it.
+
+The vendor library (``libdnnl.so.2``) is loaded by absolute path before the tactic library,
+from the first place that has it (:func:`vendor_search_dirs`): beside the tactic library (a
+bundle carries it there), the running Python environment (``pip install onednn-cpu-gomp``
+puts it in ``sys.prefix/lib``, or the user base's ``lib`` for ``--user``), then the system's
+loader path (Debian ``libdnnl2``). No ``LD_LIBRARY_PATH`` is needed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import site
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from ..errors import ArtifactError
 
@@ -30,6 +39,8 @@ TRACKED_FLAGS = (
     "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512cd", "avx512_vnni", "avx512_bf16",
 )  # fmt: skip
 
+# the vendor libraries that tactic libraries need (what a board's server may preload)
+VENDOR_LIBRARIES = ("libdnnl.so.2",)
 _LOADED: dict[str, Any] = {}  # tactic library path -> ctypes handle (a library loads once per process)
 
 
@@ -125,24 +136,95 @@ def release_layers() -> None:
         f()
 
 
+def environment_lib_dirs() -> list[Path]:
+    """Where pip puts a package's shared libraries in this Python environment: the prefix's
+    ``lib`` (``sys.prefix``), and the user base's for ``pip install --user``."""
+    dirs = [Path(sys.prefix) / "lib"]
+    user = site.getuserbase()
+    if user:
+        dirs.append(Path(user) / "lib")
+    return dirs
+
+
+def vendor_search_dirs(lib: Path, extra: Sequence[Path] = ()) -> list[Path]:
+    """Where a vendor library that tactic library ``lib`` needs is looked for, in order,
+    before the system loader's own path: ``extra``, ``lib``'s folder, then
+    :func:`environment_lib_dirs`."""
+    seen: list[Path] = []
+    for d in [*map(Path, extra), Path(lib).resolve().parent, *environment_lib_dirs()]:
+        if d not in seen:
+            seen.append(d)
+    return seen
+
+
+def vendor_file(soname: str, lib: Path, extra: Sequence[Path] = ()) -> Optional[Path]:
+    """The file this machine would load for vendor library ``soname`` of tactic library
+    ``lib``: the first of :func:`vendor_search_dirs` that has it, else the system loader's
+    (``ldconfig``'s cache); None when there is none."""
+    found = next((d / soname for d in vendor_search_dirs(lib, extra) if (d / soname).is_file()), None)
+    return found.resolve() if found is not None else system_library(soname)
+
+
+def system_library(soname: str) -> Optional[Path]:
+    """Where the system loader finds ``soname`` (``ldconfig``'s cache), or None."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        name, _, where = line.strip().partition(" => ")
+        if name.split(" ")[0] == soname and Path(where).is_file():
+            return Path(where).resolve()
+    return None
+
+
+def load_vendor(soname: str, dirs: Iterable[Path]) -> Path | str:
+    """Load vendor library ``soname`` (RTLD_GLOBAL) from the first of ``dirs`` that has it,
+    else through the system loader's path; returns where it came from. Raises OSError with
+    the loader's reason when it cannot be loaded."""
+    errors = []
+    for d in dirs:
+        candidate = Path(d) / soname
+        if candidate.is_file():
+            try:
+                ctypes.CDLL(str(candidate), mode=ctypes.RTLD_GLOBAL)
+                return candidate
+            except OSError as e:  # present but unusable (its own dependency missing, wrong machine)
+                errors.append(str(e))
+    try:
+        ctypes.CDLL(soname, mode=ctypes.RTLD_GLOBAL)
+        return soname
+    except OSError as e:
+        raise OSError(errors[0] if errors else str(e)) from None
+
+
 def load_library(
-    lib: Path, *, needs: Iterable[str] = (), install: Optional[str] = None, artifact: Optional[Path] = None
+    lib: Path,
+    *,
+    needs: Iterable[str] = (),
+    install: Optional[str] = None,
+    artifact: Optional[Path] = None,
+    search: Sequence[Path] = (),
 ) -> None:
     """dlopen tactic library ``lib`` (its static initialisers register its global functions),
-    after checking that the vendor libraries it ``needs`` (sonames) can be loaded."""
+    after loading the vendor libraries it ``needs`` (sonames) from :func:`vendor_search_dirs`
+    (``search`` first)."""
     key = str(Path(lib).resolve())
     if key in _LOADED:
         return
     for soname in needs:
         try:
-            ctypes.CDLL(str(soname), mode=ctypes.RTLD_GLOBAL)
-        except OSError:
+            where = load_vendor(str(soname), vendor_search_dirs(Path(lib), search))
+        except OSError as e:
             how = f"install it ({install})" if install else "install it"
             owner = f"artifact {str(artifact)!r}" if artifact is not None else f"tactic library {str(lib)!r}"
+            detail = str(e).splitlines()[0][:160] if str(e) else ""
+            missing = "is not installed on this machine" if detail.startswith(f"{soname}:") else f"cannot be loaded here ({detail})"
             raise ArtifactError(
-                f"{owner} needs {soname} (for {Path(lib).name}), which is not installed on this machine; "
+                f"{owner} needs {soname} (for {Path(lib).name}), which {missing}; "
                 f"{how}, or compile the model with --tactics tvm"
             ) from None
+        log.debug("loaded %s from %s", soname, where)
     import tvm_ffi  # noqa: F401  (libtvm_ffi must be loaded before the library that links it)
 
     try:

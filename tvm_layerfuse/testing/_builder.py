@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..vta.host import conv2d, pool2d, pool_out
+from ..runtime.vta.host import conv2d, pool2d, pool_out
 
 Shape = tuple[int, ...]
 
@@ -103,7 +103,7 @@ CALIBRATION_SAMPLES = 16  # calibration images per declared batch element
 
 
 def _np_conv(x, w, b, *, strides, dilations, group, pads=(0, 0, 0, 0), auto_pad="NOTSET", **_):
-    """:func:`tvm_layerfuse.vta.host.conv2d` with ONNX's ``auto_pad`` resolved to explicit pads."""
+    """:func:`tvm_layerfuse.runtime.vta.host.conv2d` with ONNX's ``auto_pad`` resolved to explicit pads."""
     h, wd = x.shape[2:]
     kh, kw = w.shape[2:]  # [C_out, C_in/g, kh, kw]
     sh, sw = strides

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 import onnx
 
-from ..vta.host import pool_out
+from ..runtime.vta.host import pool_out
 from ._builder import NetBuilder, check_options, random_inputs
 
 __all__ = ["BLOCKS", "CNNCase", "GraphOptions", "cnn_graphs", "generate", "random_cnn", "random_cnn_case"]

@@ -51,7 +51,13 @@ class TacticPlan:
         libraries = []
         if self.library is not None:
             libraries.append(
-                {"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL, "abi_version": abi.ABI_VERSION}
+                {
+                    "file": onednn.LIBRARY_FILE,
+                    "needs": [onednn.SONAME],
+                    "install": onednn.INSTALL,
+                    "built_against": onednn.installation().to_dict(),  # version, source, library path
+                    "abi_version": abi.ABI_VERSION,  # the calling contract; checked at load
+                }
             )
         return {
             "requested": self.requested,

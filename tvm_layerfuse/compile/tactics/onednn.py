@@ -11,9 +11,19 @@
     pool_implementation(...)  the same for a pooling layer
     float_bits(v)             a float32's bits as an integer (how attrs carry alpha and beta)
 
-oneDNN comes from Debian's ``libdnnl-dev`` (oneDNN 2.x C++ API, ``/usr/include/oneapi/dnnl``)
-or any prefix named by ``TVM_LAYERFUSE_ONEDNN_ROOT`` (``include/`` and ``lib/`` beneath it).
-The runtime needs only the shared library ``libdnnl.so.2`` (Debian ``libdnnl2``).
+Where oneDNN comes from (the first that has it; see :func:`find`):
+
+* ``TVM_LAYERFUSE_ONEDNN_ROOT``, when set: that prefix and no other (``include/`` and ``lib/``);
+* this Python environment: PyPI's ``onednn-devel-cpu-gomp==2022.2.1`` (oneDNN 2.6, a dependency
+  of the package on Linux x86_64) puts ``lib/libdnnl.so*`` and ``include/oneapi/dnnl/`` under
+  the environment's prefix (``sys.prefix``, or the user base for ``pip install --user``);
+* the system: Debian's ``libdnnl-dev`` (oneDNN 2.6.3, ``/usr/include/oneapi/dnnl``).
+
+The tactic library is linked with ``$ORIGIN`` as its run path and never with an absolute one:
+whoever loads it (:func:`tvm_layerfuse.runtime.tactics.load_library`) first loads
+``libdnnl.so.2`` by absolute path from the artifact, the running environment or the system,
+so an artifact needs only the runtime library ``libdnnl.so.2`` (PyPI ``onednn-cpu-gomp``, or
+Debian ``libdnnl2``) wherever it runs.
 """
 
 from __future__ import annotations
@@ -21,7 +31,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import site
+import sys
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
@@ -33,8 +46,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
 SONAME = "libdnnl.so.2"
-INSTALL = "apt-get install -y libdnnl2"
-INSTALL_DEV = "apt-get install -y libdnnl-dev"
+PYPI_RUNTIME = "onednn-cpu-gomp==2022.2.1"  # oneDNN 2.6.0: libdnnl.so.2 (GNU OpenMP)
+PYPI_DEVEL = "onednn-devel-cpu-gomp==2022.2.1"  # + the headers
+INSTALL = f"pip install {PYPI_RUNTIME}"
+INSTALL_DEV = f"pip install {PYPI_DEVEL}"
+ROOT_VARIABLE = "TVM_LAYERFUSE_ONEDNN_ROOT"
 LIBRARY_FILE = "tactics_onednn.so"  # its name inside an artifact
 # the library's functions, by the registry of :mod:`.abi` (these names stay for callers)
 FUNCTIONS = {c.key: c.name for c in abi.CONVS}
@@ -48,8 +64,21 @@ POOL_ALGORITHMS = abi.POOL_ALGORITHMS
 float_bits = abi.float_bits
 
 
-def root() -> Path:
-    return Path(os.environ.get("TVM_LAYERFUSE_ONEDNN_ROOT", "/usr"))
+@dataclass(frozen=True)
+class Installation:
+    """One oneDNN found on this machine: what the tactic library is built against."""
+
+    prefix: Path
+    source: str  # "TVM_LAYERFUSE_ONEDNN_ROOT" | "python environment" | "system"
+    lib_dir: Path  # holds libdnnl.so (link time) and libdnnl.so.2 (run time)
+    version: tuple[int, int, int]
+
+    @property
+    def library(self) -> Path:
+        return self.lib_dir / SONAME
+
+    def to_dict(self) -> dict:
+        return {"version": ".".join(map(str, self.version)), "source": self.source, "library": str(self.library)}
 
 
 def _lib_dirs(prefix: Path) -> list[Path]:
@@ -57,18 +86,55 @@ def _lib_dirs(prefix: Path) -> list[Path]:
     return [d for d in candidates if d.is_dir()]
 
 
-def availability() -> Optional[str]:
-    """Why oneDNN cannot be used on this machine (one line), or None when it can."""
-    prefix = root()
+def search_prefixes() -> list[tuple[Path, str]]:
+    """The prefixes :func:`find` looks in, in order, each with where it comes from."""
+    explicit = os.environ.get(ROOT_VARIABLE)
+    if explicit:
+        return [(Path(explicit), ROOT_VARIABLE)]
+    prefixes = [(Path(sys.prefix), "python environment")]
+    user = site.getuserbase()
+    if user:
+        prefixes.append((Path(user), "python environment"))
+    prefixes.append((Path("/usr"), "system"))
+    return prefixes
+
+
+def _inspect_prefix(prefix: Path, source: str) -> "Installation | str":
     header = prefix / "include" / "oneapi" / "dnnl" / "dnnl.hpp"
     if not header.is_file():
-        return f"oneDNN headers not found ({header}); install them with `{INSTALL_DEV}`"
-    if not any((d / "libdnnl.so").exists() for d in _lib_dirs(prefix)):
-        return f"oneDNN library libdnnl.so not found under {prefix}/lib; install it with `{INSTALL_DEV}`"
+        return f"oneDNN headers not found ({header})"
+    lib_dir = next((d for d in _lib_dirs(prefix) if (d / "libdnnl.so").exists()), None)
+    if lib_dir is None:
+        return f"oneDNN library libdnnl.so not found under {prefix}/lib"
     version = _header_version(header.parent / "dnnl_version.h")
-    if version is not None and version[0] != 2:
-        return f"oneDNN {'.'.join(map(str, version))} found; the tactic library is written for the 2.x API (Debian libdnnl-dev)"
-    return None
+    if version is None:
+        return f"oneDNN version not readable from {header.parent / 'dnnl_version.h'}"
+    if version[0] != 2:
+        return f"oneDNN {'.'.join(map(str, version))} found in {prefix}; the tactic library is written for the 2.x API ({PYPI_DEVEL})"
+    return Installation(prefix=prefix, source=source, lib_dir=lib_dir, version=version)
+
+
+def find() -> "Installation | str":
+    """The oneDNN to build against: the first prefix of :func:`search_prefixes` that has a
+    usable one, else the reason none does (one line, with the install command)."""
+    reasons = []
+    for prefix, source in search_prefixes():
+        found = _inspect_prefix(prefix, source)
+        if isinstance(found, Installation):
+            return found
+        reasons.append(found)
+    if os.environ.get(ROOT_VARIABLE):
+        return (
+            f"{reasons[0]} ({ROOT_VARIABLE} names it); install oneDNN 2.x there, or unset {ROOT_VARIABLE} "
+            f"to use this Python environment's (`{INSTALL_DEV}`)"
+        )
+    return f"oneDNN 2.x not found in this Python environment or the system; install it with `{INSTALL_DEV}`"
+
+
+def availability() -> Optional[str]:
+    """Why oneDNN cannot be used on this machine (one line), or None when it can."""
+    found = find()
+    return found if isinstance(found, str) else None
 
 
 def _header_version(path: Path) -> Optional[tuple[int, int, int]]:
@@ -85,25 +151,32 @@ def _header_version(path: Path) -> Optional[tuple[int, int, int]]:
     return (found["MAJOR"], found["MINOR"], found["PATCH"]) if len(found) == 3 else None
 
 
+# OpenMP: time_conv's thread count, the prologue's loop; hidden: two copies in a process never bind to each other
+_FLAGS = ("-O2", "-DNDEBUG", "-fopenmp", "-fvisibility=hidden")
+
+
+def installation() -> Installation:
+    """The oneDNN the tactic library is built against (raises BuildError when there is none)."""
+    found = find()
+    if isinstance(found, str):
+        raise BuildError(found)
+    return found
+
+
 def build_extension() -> Path:
     """Build (or reuse) the extension library; raises BuildError with the reason."""
-    reason = availability()
-    if reason is not None:
-        raise BuildError(reason)
+    found = installation()
     import tvm_ffi
     import tvm_ffi.cpp
 
-    prefix = root()
-    cflags = ["-O2", "-DNDEBUG", "-fopenmp", "-fvisibility=hidden"]  # hidden: two copies in a process never bind to each other
-    onednn_version = _header_version(prefix / "include" / "oneapi" / "dnnl" / "dnnl_version.h")
-    key = [SOURCE.read_bytes(), str(prefix), tvm_ffi.__version__, str(onednn_version), " ".join(cflags), str(abi.ABI_VERSION)]
-    digest = hashlib.sha256("\0".join(k if isinstance(k, str) else k.hex() for k in key).encode()).hexdigest()[:16]
+    # the cache key: the source, the oneDNN it links, tvm-ffi (its headers and ABI), the flags, the ABI version
+    key = SOURCE.read_bytes() + repr((str(found.lib_dir), found.version, tvm_ffi.__version__, _FLAGS, abi.ABI_VERSION)).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("TVM_LAYERFUSE_CACHE", Path.home() / ".cache" / "tvm_layerfuse")) / f"onednn-{digest}"
     out = cache / "layerfuse_onednn.so"
     if out.is_file():
         return out
     cache.mkdir(parents=True, exist_ok=True)
-    libdirs = _lib_dirs(prefix)
     # several compiles may build at once (parallel jobs, a fresh machine): each builds in its
     # own folder and renames the finished library into place, so no one loads a partial file
     with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as build_dir:
@@ -111,9 +184,11 @@ def build_extension() -> Path:
             path = tvm_ffi.cpp.build(
                 "layerfuse_onednn",
                 sources=[str(SOURCE)],
-                extra_cflags=cflags,  # OpenMP: time_conv's thread count, the prologue's loop
-                extra_ldflags=[*(f"-L{d}" for d in libdirs), "-ldnnl", "-fopenmp"],
-                extra_include_paths=[str(prefix / "include")],
+                extra_cflags=list(_FLAGS),
+                # run path $ORIGIN only ('$$' is ninja's '$'): libdnnl.so.2 beside the library
+                # (a bundle), else whatever the loader loaded first by absolute path
+                extra_ldflags=[f"-L{found.lib_dir}", "-ldnnl", "-fopenmp", "'-Wl,-rpath,$$ORIGIN'"],
+                extra_include_paths=[str(found.prefix / "include")],
                 build_directory=build_dir,
             )
         except Exception as e:  # the compiler's complaint, first line
@@ -136,7 +211,7 @@ def load() -> Path:
             f"version {abi.ABI_VERSION} - compile in a process of its own"
         )
     try:
-        load_library(path, needs=[SONAME], install=INSTALL)
+        load_library(path, needs=[SONAME], install=INSTALL, search=[installation().lib_dir])
     except Exception as e:
         raise BuildError(str(e)) from None
     return path

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import BuildError
+from ...errors import BuildError
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, *, strides: Sequence[int], pads: Sequence[int],

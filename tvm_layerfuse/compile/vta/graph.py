@@ -28,11 +28,11 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..onnx_realize import fold_affine
-from ..planner import FusionPlan
-from ..templates.ops import conv_params
-from ..topology.facts import LayerFacts
-from ..topology.graph import Layer, TopologyGraph
+from ...onnx_realize import fold_affine
+from ...planner import FusionPlan
+from ...templates.ops import conv_params
+from ...topology.facts import LayerFacts
+from ...topology.graph import Layer, TopologyGraph
 
 log = logging.getLogger(__name__)
 

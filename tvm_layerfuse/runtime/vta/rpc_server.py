@@ -2,7 +2,7 @@
 
 ::
 
-    python -m tvm_layerfuse.vta.rpc_server [--host 127.0.0.1] [--port 9091] [--device sim|board]
+    python -m tvm_layerfuse.runtime.vta.rpc_server [--host 127.0.0.1] [--port 9091] [--device sim|board]
                                            [--tracker H:P --key K]
 
 As ``vta.exec.rpc_server`` did in TVM's VTA stack, this is ``tvm.rpc.Server`` with a
@@ -13,7 +13,7 @@ Python, so a VTA artifact needs this one). The client uploads the artifact's VTA
 compiled by TVM for this board's CPU) into the session's work directory and calls:
 
 * ``tvm_layerfuse.vta.load(name)`` - load the uploaded ``name`` (``vta.json``) with
-  :func:`tvm_layerfuse.vta.runtime.load_vta` on this server's device; returns JSON
+  :func:`tvm_layerfuse.runtime.vta.runtime.load_vta` on this server's device; returns JSON
   ``{"device", "config"}``;
 * ``tvm_layerfuse.vta.run(inputs)`` - one inference; ``inputs`` and the result are ``.npz``
   bytes (``i0, i1, ...`` in the manifest's input order; ``o0, o1, ...`` in output order);
@@ -60,7 +60,7 @@ def register(device: str = "sim") -> None:
     """Register the VTA runtime's global functions (``server_init_callback``; see the module doc)."""
     import tvm_ffi
 
-    from ..errors import LayerfuseError
+    from ...errors import LayerfuseError
     from .runtime import load_vta
 
     state = _Session()
@@ -103,7 +103,7 @@ def register(device: str = "sim") -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tvm_layerfuse.vta.rpc_server", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tvm_layerfuse.runtime.vta.rpc_server", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; TVM RPC has no authentication)")
     p.add_argument("--port", type=int, default=9091)
     p.add_argument("--port-end", type=int, default=9199)

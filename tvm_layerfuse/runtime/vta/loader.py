@@ -1,8 +1,9 @@
 """A VTA artifact behind the runtime's one interface (:func:`tvm_layerfuse.runtime.load`).
 
 The artifact's manifest is every target's (checksums, inputs, outputs); its ``library`` is
-``vta.json``, the op sequence that :func:`tvm_layerfuse.vta.runtime.load_vta` runs: VTA
-programs on a device (``sim``: the bit-exact simulator; ``board``: a real VTA) and the
+``vta.json``, the op sequence that :func:`tvm_layerfuse.runtime.vta.runtime.load_vta` runs: VTA
+programs on a device (``sim``: the bit-exact simulator in hardware mode; ``sim-functional``:
+in upstream's functional semantics, for comparison; ``board``: a real VTA) and the
 host steps in the artifact's ``host.so`` (compiled by TVM for the host CPU, run by TVM's
 runtime; the artifact's ``target.machine`` must be this machine's).
 """
@@ -17,11 +18,11 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ..errors import ArtifactError
-from . import artifact
-from .loader import Inputs, check_inputs, this_machine
+from ...errors import ArtifactError
+from .. import artifact
+from ..loader import Inputs, check_inputs, this_machine
 
-DEVICES = ("sim", "board")
+DEVICES = ("sim", "sim-functional", "board")  # sim: hardware mode; sim-functional: sim_driver.cc, for comparison
 
 
 class VTARuntime:
@@ -29,14 +30,15 @@ class VTARuntime:
     ``counters`` holds VTA's profiling counters of the last run."""
 
     def __init__(self, path: Union[str, os.PathLike], *, device: str = "sim", manifest: Optional[dict[str, Any]] = None) -> None:
-        from ..vta.runtime import load_vta
+        from .runtime import load_vta
 
         self.path = Path(path)
         manifest = manifest or artifact.read_manifest(self.path)
         if device not in DEVICES:
             raise ArtifactError(
                 f"artifact {str(self.path)!r} was compiled for vta, but device {device!r} was requested; "
-                "run it with --device sim (the simulator) or --device board, or compile with --target cpu"
+                "run it with --device sim (the simulator), sim-functional (upstream's functional simulator) or board, "
+                "or compile with --target cpu"
             )
         machine, here = manifest["target"].get("machine"), this_machine()
         if machine and machine != here:

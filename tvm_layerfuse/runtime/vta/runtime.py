@@ -13,7 +13,7 @@ An artifact directory holds::
 
 Devices implement :class:`VTADevice` (the shape of VTA's ``driver.h``: device memory,
 copies, run an instruction stream and wait for FINISH). ``"sim"`` is
-:class:`tvm_layerfuse.vta.sim.Simulator`. ``"board"`` needs a driver for a real VTA (PYNQ-Z1,
+:class:`tvm_layerfuse.runtime.vta.sim.Simulator`. ``"board"`` needs a driver for a real VTA (PYNQ-Z1,
 Ultra96, DE10-Nano with the VTA bitstream): none ships with this package, so it fails
 with "no VTA device found" unless one is passed in. The host ops of a loaded artifact run in
 ``host.so`` through TVM's runtime (``tvm.runtime`` and its VM, imported when an artifact is
@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional, Protocol, Union
 
 import numpy as np
 
-from ..errors import ArtifactError, DeviceError, InputError, first_line
+from ...errors import ArtifactError, DeviceError, InputError, first_line
 from . import host
 from .config import VTAConfig, config_from_dict
 from .layout import Layout, Segment, pack_activation, unpack_activation
@@ -42,7 +42,7 @@ from .sim import DRAM, Counters, Simulator
 
 log = logging.getLogger(__name__)
 
-FORMAT = "tvm_layerfuse.vta/2"
+FORMAT = "tvm_layerfuse.vta/3"  # 3: hardware-legal programs (no acc8 loads)
 MANIFEST = "vta.json"
 FILES = ("dram.bin", "programs.npz", "host.npz")
 HOST_LIBRARY = "host.so"
@@ -72,12 +72,13 @@ class VTADevice(Protocol):
 
 
 class SimDevice:
-    """The functional simulator as a :class:`VTADevice`."""
+    """The simulator as a :class:`VTADevice`: ``mode="hardware"`` (what the VTA hardware designs
+    execute; the default) or ``"functional"`` (upstream's functional simulator)."""
 
-    def __init__(self, cfg: VTAConfig) -> None:
+    def __init__(self, cfg: VTAConfig, *, mode: str = "hardware") -> None:
         self.cfg = cfg
         self.dram = DRAM()
-        self.sim = Simulator(cfg, self.dram)
+        self.sim = Simulator(cfg, self.dram, mode=mode)
 
     def reset(self, image: np.ndarray) -> None:
         self.dram.data = image.copy()
@@ -89,24 +90,28 @@ class SimDevice:
     def read(self, addr: int, nbytes: int) -> np.ndarray:
         return self.dram.read(addr, nbytes)
 
-    def run(self, stream: np.ndarray) -> Counters:
-        return self.sim.run(stream)
+    def run(self, stream: np.ndarray, *, name: str = "?") -> Counters:
+        return self.sim.run(stream, name=name)
 
 
 def open_device(device: Union[str, VTADevice], cfg: VTAConfig) -> VTADevice:
-    """``"sim"``, ``"board"`` or a :class:`VTADevice` object."""
+    """``"sim"`` (the simulator in hardware mode), ``"sim-functional"`` (upstream's functional
+    simulator, for comparison), ``"board"`` or a :class:`VTADevice` object."""
     if not isinstance(device, str):
         return device
     if device == "sim":
         return SimDevice(cfg)
+    if device == "sim-functional":
+        return SimDevice(cfg, mode="functional")
     if device == "board":
         found = [p for p in BOARD_DEVICE_NODES if os.path.exists(p)]
         detail = f"found {', '.join(found)} but no VTA driver is bundled" if found else f"none of {', '.join(BOARD_DEVICE_NODES)} exists"
         raise DeviceError(
             f"no VTA device found ({detail}); expected a PYNQ/Ultra96/DE10-Nano board with the VTA bitstream loaded and a "
-            "driver object implementing tvm_layerfuse.vta.runtime.VTADevice - pass device='sim' to use the simulator"
+            "driver object implementing tvm_layerfuse.runtime.vta.runtime.VTADevice - pass device='sim' to use the simulator"
         )
-    raise DeviceError(f"VTA device {device!r} is unknown; expected 'sim', 'board' or a VTADevice object - pass device='sim'")
+    raise DeviceError(f"VTA device {device!r} is unknown; expected 'sim', 'sim-functional', 'board' or a VTADevice object - "
+                      "pass device='sim'")
 
 
 @dataclass
@@ -229,7 +234,8 @@ class VTAModule:
                 if name not in resident:
                     to_dram(name)
             if op["program"] is not None:
-                per[op["name"]] = dev.run(self.streams[op["program"]])
+                stream = self.streams[op["program"]]
+                per[op["name"]] = dev.run(stream, name=op["name"]) if isinstance(dev, SimDevice) else dev.run(stream)
             for name in op["writes"]:
                 resident.add(name)
                 floats.pop(name, None)
@@ -272,7 +278,7 @@ def _sha256(path: Path) -> str:
 
 
 def load_vta(artifact_dir: Union[str, Path], *, device: Union[str, VTADevice] = "sim") -> VTAModule:
-    """Load a VTA artifact written by :func:`tvm_layerfuse.vta.pipeline.compile_vta`."""
+    """Load a VTA artifact written by :func:`tvm_layerfuse.compile.vta.pipeline.compile_vta`."""
     d = Path(artifact_dir)
     mpath = d / MANIFEST
     if not mpath.is_file():

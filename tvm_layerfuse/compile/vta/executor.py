@@ -1,4 +1,4 @@
-"""From a compiled graph to a runnable :class:`~tvm_layerfuse.vta.runtime.VTAModule`.
+"""From a compiled graph to a runnable :class:`~tvm_layerfuse.runtime.vta.runtime.VTAModule`.
 
 :func:`to_module` writes what the runtime needs as data (manifest, DRAM image, encoded
 instruction streams, host-step constants); :func:`execute` runs one inference through
@@ -14,10 +14,10 @@ from typing import Mapping, Union
 
 import numpy as np
 
+from ...runtime.vta.runtime import FORMAT, RunResult, VTADevice, VTAModule
 from .codegen import CompiledVTA
 from .graph import ConcatOp
 from .quantize import host_program
-from .runtime import FORMAT, RunResult, VTADevice, VTAModule
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def to_module(model: CompiledVTA, *, device: Union[str, VTADevice] = "sim") -> V
     return VTAModule(manifest, model.image, streams, consts, device=device)
 
 
-def execute(model: CompiledVTA, feeds: Mapping[str, np.ndarray], *, trace: bool = False) -> RunResult:
-    """One inference on the simulator."""
-    return to_module(model).run(feeds, trace=trace)
+def execute(model: CompiledVTA, feeds: Mapping[str, np.ndarray], *, trace: bool = False,
+            device: Union[str, VTADevice] = "sim") -> RunResult:
+    """One inference on the simulator (``device="sim"``: hardware mode; ``"sim-functional"``)."""
+    return to_module(model, device=device).run(feeds, trace=trace)

@@ -2,7 +2,7 @@
 
 Static shapes make every address known at compile time, so the generator lays out one
 DRAM image (packed weights, biases, micro-op kernels, activation buffers; see
-:mod:`tvm_layerfuse.vta.layout`) and emits instructions with absolute element addresses.
+:mod:`tvm_layerfuse.runtime.vta.layout`) and emits instructions with absolute element addresses.
 
 A conv (:class:`ConvOp`) is tiled over output rows (``oht`` rows) and output-channel blocks
 (``obc`` blocks) so that its input rows with halo, its weights, its accumulators (tile and
@@ -11,13 +11,14 @@ chunks outside or row tiles outside) is the one that moves fewer DRAM bytes. Whe
 output block with all input blocks does not fit, the reduction is split into chunks of
 ``ibc`` input blocks, the accumulators staying on chip across them. Each step::
 
-    load:    LOAD wgt (when the chunk changes)   LOAD inp per input block (y/x padding by the DMA;
-             one 2D transfer when whole blocks are loaded)
+    load:    LOAD wgt (when the chunk changes; the identity block once, with a residual)
+             LOAD inp per input block (y/x padding by the DMA; one 2D transfer when whole
+             blocks are loaded)   LOAD inp of the residual tile (with a residual)
     compute: LOAD uop (once)
-             LOAD acc [bias | shift | residual shift] vectors (when the chunk changes)
-             GEMM reset, or LOAD acc8 residual + ALU SHR (align, per channel)
+             LOAD acc [bias | shift parts | residual shift parts] vectors (when the chunk changes)
+             GEMM reset   (with a residual: GEMM identity (acc += res) + ALU SHR parts (align))
              GEMM  (uops (oy, ib, i, j); loops: out = output block, in = output column)
-             ALU ADD bias   ALU SHR (requantize, per channel)   ALU MAX/MIN (ReLU, Clip, int8 range)
+             ALU ADD bias   ALU SHR parts (requantize, per channel)   ALU MAX/MIN (ReLU, Clip, int8 range)
     store:   STORE per output segment (a horizontal merge's branches, concat offsets)
 
 Dependency tokens follow one protocol per step ``t``: the last load pushes load->compute and
@@ -28,8 +29,19 @@ instruction pushes store->compute, popped by the next compute step (the accumula
 overwritten) or by FINISH. Every pushed token is popped (the simulator checks this and every
 cross-module hazard).
 
-Element-wise programs (the unfused residual add / activation) and concat copies run on
-the compute and store modules only: ``LOAD acc8`` -> ALU -> ``STORE``.
+Only what both VTA hardware designs execute is emitted (the simulator's hardware mode checks
+it): int8 data reaches the accumulators as an ``inp`` tile through a GEMM with an identity
+weight block (VTA has no int8 accumulator load on hardware), every stored element was last
+written by a GEMM or ALU instruction (the hardware stores from the output buffer they write),
+and every shift is split into SHR instructions of at most 15 right or 16 left, with all lanes
+of a vector SHR of one sign and a negative immediate for left shifts (:func:`shift_parts`).
+
+Element-wise programs (the unfused residual add / activation) and concat copies::
+
+    load:    LOAD wgt identity (once)   LOAD inp of each input chunk
+    compute: GEMM reset   GEMM identity per input, SHR (left) between them (Horner: align the
+             inputs to the common scale)   SHR / ADD rounding / SHR   MAX/MIN
+    store:   STORE
 """
 
 from __future__ import annotations
@@ -41,12 +53,12 @@ from typing import Optional
 
 import numpy as np
 
-from . import isa
-from .config import DEFAULT, VTAConfig
+from ...runtime.vta import isa
+from ...runtime.vta.config import DEFAULT, VTAConfig
+from ...runtime.vta.layout import Layout, pack_weight
+from ...runtime.vta.sim import DRAM
 from .graph import ConcatOp, ConvOp, EltwiseOp, VTAGraph
-from .layout import Layout, pack_weight
 from .quantize import Quantization, int_conv, int_eltwise
-from .sim import DRAM
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +144,37 @@ def _rebase(storage: dict[str, Storage], name: str, root: str, offset: int) -> N
 
 
 # ---------------------------------------------------------------------- feasibility
+SHR_RIGHT_MAX, SHR_LEFT_MAX = 15, 16
+"""The longest shift one SHR makes on both hardware designs (the FPGA design's signed 5-bit amount)."""
+
+MAX_VECTORS = 7
+"""Per-channel accumulator vectors of a conv: bias, up to 3 requantization and 3 residual shift parts
+(the quantizer keeps shifts in -16..30 and residual alignments in -15..30)."""
+
+
+def shift_parts(amount: np.ndarray) -> list[tuple[np.ndarray, bool]]:
+    """Per-lane SHR amounts (negative: left) as SHR instructions both hardware designs run:
+    ``[(amounts, left)]``, each lane within -16..15, one sign per instruction (``left``: the
+    immediate's sign bit the Chisel design reads). Shifts by floor compose, so the parts
+    applied in any order equal the whole shift."""
+    right, left = np.maximum(amount, 0).astype(np.int64), np.maximum(-amount, 0).astype(np.int64)
+    parts = []
+    while right.any():
+        a = np.minimum(right, SHR_RIGHT_MAX)
+        parts.append((a, False))
+        right = right - a
+    while left.any():
+        a = np.minimum(left, SHR_LEFT_MAX)
+        parts.append((-a, True))
+        left = left - a
+    return parts
+
+
+def imm_shift_parts(amount: int) -> list[int]:
+    """One SHR amount (negative: left) as immediates within -16..15."""
+    return [int(a[0]) for a, _ in shift_parts(np.array([amount]))]
+
+
 @dataclass
 class ConvTiling:
     obc: int  # output blocks per chunk
@@ -144,14 +187,18 @@ class ConvTiling:
     kw: int
     wt: int  # padded input width in SRAM
     ht: int  # input rows per tile in SRAM (with halo)
-    res: bool
+    res: int
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig) -> tuple[Optional[ConvTiling], Optional[str]]:
-    """The cheapest tiling that fits the buffers, or the reason none does."""
+def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig, *,
+                n_vec: Optional[int] = None) -> tuple[Optional[ConvTiling], Optional[str]]:
+    """The cheapest tiling that fits the buffers (with ``n_vec`` per-channel vectors beside the
+    accumulator tile; a residual adds its int8 tile to the input buffer and an identity block
+    to the weight buffer), or the reason none does. ``n_vec`` None: the most a conv may need
+    (before quantization decides the shifts)."""
     inp = storage[op.input]
     ib = inp.layout.blocks
     ob = sum(storage[s.tensor].layout.blocks for s in op.outputs)
@@ -164,14 +211,20 @@ def conv_tiling(op: ConvOp, storage: dict[str, Storage], shapes, cfg: VTAConfig)
     _, _, oh, ow = shapes[op.outputs[0].tensor]
     wt = w + pl + pr
     kk = kh * kw
-    res = op.residual is not None
+    res = int(op.residual is not None)
+    if n_vec is None:
+        n_vec = MAX_VECTORS if res else MAX_VECTORS - 3  # without a residual: no alignment parts
     best, best_cost = None, None
     for ibc in range(ib, 0, -1):  # split the reduction over input blocks only when nothing else fits
         split = ibc < ib
-        for obc in range(min(ob, cfg.wgt_depth // (ibc * kk)), 0, -1):
-            lim_acc = (cfg.acc_depth - 3 * obc) // (obc * ow)  # tile + bias, shift, residual-shift vectors
-            lim_inp = ((cfg.inp_depth // (ibc * wt)) - kh) // s + 1 if cfg.inp_depth // (ibc * wt) >= kh else 0
-            lim_uop = (cfg.uop_depth - 4) // ((2 if split else 1) * ibc * kk)  # a second kernel for the last chunk
+        for obc in range(min(ob, (cfg.wgt_depth - res) // (ibc * kk)), 0, -1):
+            lim_acc = (cfg.acc_depth - n_vec * obc) // (obc * ow)  # tile + per-channel vectors
+            # input rows with halo, and the residual tile: ibc*((oht-1)*s + kh)*wt + res*obc*oht*ow <= depth
+            lim_inp = max((cfg.inp_depth - ibc * (kh - s) * wt) // (ibc * s * wt + res * obc * ow), 0)
+            while lim_inp > 0 and ibc * ((lim_inp - 1) * s + kh) * wt + res * obc * lim_inp * ow > cfg.inp_depth:
+                lim_inp -= 1
+            n_alu = 1 + n_vec + res  # ALU uops (tile, one per vector) and the identity GEMM's
+            lim_uop = (cfg.uop_depth - n_alu) // ((2 if split else 1) * ibc * kk)  # a second kernel for the last chunk
             oht = min(oh, lim_acc, lim_inp, lim_uop, ((1 << isa.LOOP_ITER_WIDTH) - 1) // max(ow, 1))  # iter_in field
             if oht < 1:
                 continue
@@ -200,7 +253,7 @@ def prepare(graph: VTAGraph, cfg: VTAConfig = DEFAULT) -> dict[str, Storage]:
     """Decide what VTA runs (marks the rest host with a reason) and plan the storage."""
     for name in graph.inputs:
         if graph.shapes.get(name, (1,))[0] != 1:
-            from ..errors import ShapeError
+            from ...errors import ShapeError
 
             raise ShapeError(
                 f"input {name!r} has batch {graph.shapes[name][0]}; expected batch {cfg.batch} (VTA's configuration) - "
@@ -278,10 +331,13 @@ class _Steps:
         return out
 
 
-def _alu(opcode: int, uop: int, iter_out: int, iter_in: int, *, dst_out=0, dst_in=1, src_out=0, src_in=0, imm=None):
+def _alu(opcode: int, uop: int, iter_out: int, iter_in: int, *, dst_out=0, dst_in=1, src_out=0, src_in=0, imm=None, left=False):
+    """One ALU instruction; ``imm=None``: vector mode (``left``: a vector SHR of left shifts, whose
+    negative immediate tells the Chisel design so)."""
     return isa.AluInsn(
         uop_bgn=uop, uop_end=uop + 1, iter_out=iter_out, iter_in=iter_in, dst_factor_out=dst_out, dst_factor_in=dst_in,
-        src_factor_out=src_out, src_factor_in=src_in, alu_opcode=opcode, use_imm=imm is not None, imm=int(imm or 0),
+        src_factor_out=src_out, src_factor_in=src_in, alu_opcode=opcode, use_imm=imm is not None,
+        imm=int(imm) if imm is not None else (-1 if left else 0),
     )
 
 
@@ -305,8 +361,8 @@ def _blocks_dma(opcode: int, mem: int, dram: list[int], sram0: int, sram_stride:
 
 
 def _epilogue_tail(step: dict, uop: int, iter_out: int, iter_in: int, dst_out: int, shift: int, lo: int, hi: int) -> None:
-    if shift:
-        step["compute"].append(_alu(isa.ALU_SHR, uop, iter_out, iter_in, dst_out=dst_out, imm=shift))
+    for a in imm_shift_parts(shift):
+        step["compute"].append(_alu(isa.ALU_SHR, uop, iter_out, iter_in, dst_out=dst_out, imm=a))
     step["compute"].append(_alu(isa.ALU_MAX, uop, iter_out, iter_in, dst_out=dst_out, imm=lo))
     step["compute"].append(_alu(isa.ALU_MIN, uop, iter_out, iter_in, dst_out=dst_out, imm=hi))
 
@@ -346,15 +402,22 @@ class Compiler:
         return self
 
     # ------------------------------------------------------------------ conv
+    def _identity(self) -> int:
+        """DRAM element of an identity weight block (``acc += inp . I``: int8 data into the accumulators)."""
+        if "wgt:identity" not in self.regions:
+            eye = np.eye(self.cfg.block, dtype=np.int8).reshape(self.cfg.block, self.cfg.block, 1, 1)
+            self._identity_base = self._region("wgt:identity", pack_weight(eye, self.cfg.block), self.cfg.wgt_elem_bytes)
+        return self._identity_base
+
     def _conv(self, op: ConvOp) -> Program:
         cfg, block = self.cfg, self.cfg.block
-        t, _ = conv_tiling(op, self.storage, self.graph.shapes, cfg)
         p = int_conv(op, self.q)
         inp = self.storage[op.input]
         # physical weights and bias: output rows per segment block-aligned, input columns per layout
         seg_blocks = [self.storage[s.tensor].layout.blocks for s in op.outputs]
         co_phys, ci_phys = sum(seg_blocks) * block, inp.layout.blocks * block
-        w_phys = np.zeros((co_phys, ci_phys, t.kh, t.kw), np.int8)  # [OB*16, IB*16, kh, kw]
+        _, _, kh, kw = op.weight.shape
+        w_phys = np.zeros((co_phys, ci_phys, kh, kw), np.int8)  # [OB*16, IB*16, kh, kw]
         b_phys = np.zeros(co_phys, np.int64)
         shift_phys = np.zeros(co_phys, np.int64)
         rshift_phys = np.zeros(co_phys, np.int64)
@@ -367,14 +430,23 @@ class Compiler:
             shift_phys[rows] = p.shift[seg.c0 : seg.c1]
             rshift_phys[rows] = -p.res_shift[seg.c0 : seg.c1]
             row0 += nb * block
+        # per-channel vectors: bias, the requantization shift parts, the residual alignment parts
+        shift_vecs = shift_parts(shift_phys)
+        rshift_vecs = shift_parts(rshift_phys) if op.residual is not None else []
+        vecs = [b_phys] + [a for a, _ in shift_vecs] + [a for a, _ in rshift_vecs]
+        n_vec = len(vecs)
+        t, reason = conv_tiling(op, self.storage, self.graph.shapes, cfg, n_vec=n_vec)
+        if t is None:
+            from ...errors import BuildError
+
+            raise BuildError(f"conv {op.name!r}: {reason}; expected a layer that prepare() accepted - report this as a bug")
         w_base = self._region(f"wgt:{op.name}", pack_weight(w_phys, block), cfg.wgt_elem_bytes)
-        # per-channel vectors [bias | shift | -residual shift], each padded to whole chunks: [3, OB', block]
+        # the vectors, each padded to whole chunks: [n_vec, OB', block]
         ob_pad = -(-t.ob // t.obc) * t.obc
-        vec = np.zeros((3, ob_pad * block), np.int64)
-        vec[0, :co_phys], vec[1, :co_phys], vec[2, :co_phys] = b_phys, shift_phys, rshift_phys
-        b_base = self._region(f"vec:{op.name}", vec.astype("<i4").reshape(3, ob_pad, block), cfg.acc_elem_bytes)
-        # bias always; shift vector when any channel shifts; residual shifts only with a residual
-        n_vec = 3 if op.residual is not None and np.any(p.res_shift) else (2 if np.any(p.shift) else 1)
+        vec = np.zeros((n_vec, ob_pad * block), np.int64)
+        for j, v in enumerate(vecs):
+            vec[j, :co_phys] = v
+        b_base = self._region(f"vec:{op.name}", vec.astype("<i4").reshape(n_vec, ob_pad, block), cfg.acc_elem_bytes)
         # output block -> (DRAM element of block row 0, is-last-of-segment)
         out_elem = []
         for seg, nb in zip(op.outputs, seg_blocks):
@@ -385,16 +457,19 @@ class Compiler:
         pt, pl, pb, pr = op.pads
         kk = t.kh * t.kw
         p_full = t.oht * ow
-        bias_base = t.obc * p_full
-        shift_base, rshift_base = bias_base + t.obc, bias_base + 2 * t.obc
-        # micro-op kernels: 4 ALU uops (tile; tile with bias, shift, residual-shift vector), then a
-        # GEMM kernel over (oy, ib, i, j) per distinct reduction-chunk size (oy-major: a tile of
-        # fewer rows uses a prefix of it)
-        u_tile, u_bias, u_shift, u_rshift = 0, 1, 2, 3
+        vec_base = t.obc * p_full  # accumulator index of vector 0 (vector j at vec_base + j*obc)
+        # with a residual: the input-buffer index of its tile (after the input rows) and the
+        # weight-buffer index of the identity block (after the chunk's weights)
+        res_inp, w_ident = (t.ibc * t.ht * t.wt, t.obc * t.ibc * kk) if op.residual is not None else (0, 0)
+        # micro-op kernels: the ALU tile uop, one per vector, the identity GEMM's, then a GEMM
+        # kernel over (oy, ib, i, j) per distinct reduction-chunk size (oy-major: a tile of fewer
+        # rows uses a prefix of it)
+        u_tile, u_ident = 0, 1 + n_vec
         red = [(b0, min(t.ibc, t.ib - b0)) for b0 in range(0, t.ib, t.ibc)]  # reduction chunks of input blocks
-        dst, src = [np.array([0, 0, 0, 0])], [np.array([0, bias_base, shift_base, rshift_base])]
-        wgt, kernel_at = [np.zeros(4, np.int64)], {}
-        pos = 4
+        dst = [np.zeros(2 + n_vec, np.int64)]
+        src = [np.array([0] + [vec_base + j * t.obc for j in range(n_vec)] + [res_inp])]
+        wgt, kernel_at = [np.array([0] * (1 + n_vec) + [w_ident])], {}
+        pos = 2 + n_vec
         for ibn in sorted({n for _, n in red}, reverse=True):
             oy, ib, i, j = np.meshgrid(np.arange(t.oht), np.arange(ibn), np.arange(t.kh), np.arange(t.kw), indexing="ij")
             dst.append((oy * ow).reshape(-1))
@@ -405,6 +480,11 @@ class Compiler:
         uops = isa.encode_uop_arrays(np.concatenate(dst), np.concatenate(src), np.concatenate(wgt), cfg)
         u_base = self._region(f"uop:{op.name}", uops, cfg.uop_elem_bytes)
         res = self.storage[op.residual] if op.residual else None
+        ident_base = self._identity() if res is not None else None
+
+        def vector_shifts(st: dict, first: int, parts: list, obn: int, pcur: int) -> None:
+            for j, (_, left) in enumerate(parts):
+                st["compute"].append(_alu(isa.ALU_SHR, 1 + first + j, obn, pcur, dst_out=p_full, src_out=1, src_in=0, left=left))
 
         tiles = [(r, min(t.oht, oh - r)) for r in range(0, oh, t.oht)]
         chunks = [(c, min(t.obc, t.ob - c)) for c in range(0, t.ob, t.obc)]
@@ -415,6 +495,9 @@ class Compiler:
             pcur = ohn * ow
             for k, (ib0, ibn) in enumerate(red):
                 st = steps.new()
+                if n_tile == 0 and k == 0 and res is not None:
+                    st["load"].append(isa.MemInsn(memory_type=isa.MEM_WGT, sram_base=w_ident, dram_base=ident_base,
+                                                  y_size=1, x_size=1, x_stride=1))
                 if loaded_w != (ob0, obn, ib0, ibn):
                     if ibn == t.ib:  # all input blocks: the chunk's weights are contiguous
                         st["load"].append(isa.MemInsn(memory_type=isa.MEM_WGT, sram_base=0, dram_base=w_base + ob0 * t.ib * kk,
@@ -426,21 +509,23 @@ class Compiler:
                 if loaded_x != (oy0, ohn, ib0, ibn):
                     st["load"] += self._input_loads(inp, t, oy0, ohn, s, pt, pl, pr, ib0, ibn)
                     loaded_x = (oy0, ohn, ib0, ibn)
+                if k == 0 and res is not None:  # the residual tile, int8, beside the input rows
+                    st["load"] += _blocks_dma(isa.OP_LOAD, isa.MEM_INP, [res.elem + (ob0 + c) * oh * ow + oy0 * ow for c in range(obn)],
+                                              res_inp, p_full, pcur, oh * ow)
                 if n_tile == 0 and k == 0:
                     st["compute"].append(isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u_base, y_size=1,
                                                      x_size=len(uops), x_stride=len(uops)))
                 if k == 0 and (ob0, obn) != prev_chunk:
-                    st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=bias_base, dram_base=b_base + ob0,
+                    st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC, sram_base=vec_base, dram_base=b_base + ob0,
                                                      y_size=n_vec, x_size=t.obc, x_stride=ob_pad))
                     prev_chunk = (ob0, obn)
-                if k == 0 and res is None:
+                if k == 0:
                     st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=u_tile, uop_end=u_tile + 1, iter_out=obn,
                                                       iter_in=pcur, dst_factor_out=p_full, dst_factor_in=1))
-                elif k == 0:  # the accumulators start from the residual (aligned to F) instead of zero
-                    st["compute"] += _blocks_dma(isa.OP_LOAD, isa.MEM_ACC_8BIT,
-                                                 [res.elem + (ob0 + c) * oh * ow + oy0 * ow for c in range(obn)], 0, p_full, pcur, oh * ow)
-                    if np.any(p.res_shift):
-                        st["compute"].append(_alu(isa.ALU_SHR, u_rshift, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
+                if k == 0 and res is not None:  # the accumulators start from the residual, aligned to F
+                    st["compute"].append(isa.GemmInsn(uop_bgn=u_ident, uop_end=u_ident + 1, iter_out=obn, iter_in=pcur,
+                                                      dst_factor_out=p_full, dst_factor_in=1, src_factor_out=p_full, src_factor_in=1))
+                    vector_shifts(st, 1 + len(shift_vecs), rshift_vecs, obn, pcur)
                 u0 = kernel_at[ibn]
                 st["compute"].append(isa.GemmInsn(uop_bgn=u0, uop_end=u0 + ohn * ibn * kk, iter_out=obn, iter_in=ow,
                                                   dst_factor_out=p_full, dst_factor_in=1, src_factor_out=0, src_factor_in=s,
@@ -448,13 +533,12 @@ class Compiler:
                 st["release"] = len(st["compute"]) - 1
                 if k < len(red) - 1:
                     continue
-                st["compute"].append(_alu(isa.ALU_ADD, u_bias, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
-                if np.any(p.shift):
-                    st["compute"].append(_alu(isa.ALU_SHR, u_shift, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
+                st["compute"].append(_alu(isa.ALU_ADD, 1, obn, pcur, dst_out=p_full, src_out=1, src_in=0))
+                vector_shifts(st, 1, shift_vecs, obn, pcur)
                 _epilogue_tail(st, u_tile, obn, pcur, p_full, 0, p.lo, p.hi)
                 st["store"] += _blocks_dma(isa.OP_STORE, isa.MEM_OUT, [out_elem[ob0 + c][0] + oy0 * ow for c in range(obn)],
                                            0, p_full, pcur, oh * ow)
-        return Program(op.name, steps.finish(), "conv", t.to_dict())
+        return Program(op.name, steps.finish(), "conv", {**t.to_dict(), "vectors": n_vec})
 
     def _input_loads(self, inp: Storage, t: ConvTiling, oy0: int, ohn: int, s: int, pt: int, pl: int, pr: int,
                      ib0: int, ibn: int) -> list:
@@ -475,40 +559,55 @@ class Compiler:
 
     # ------------------------------------------------------------------ element-wise and copies
     def _eltwise(self, op: EltwiseOp) -> Program:
+        """``clamp((sum_k x_k << a_k) + r) >> s``: the inputs enter the accumulators through identity
+        GEMMs in decreasing order of their alignment ``a_k``, with the left shifts between them
+        (Horner), then the requantization (:func:`_requantize`) and the clamp."""
         cfg = self.cfg
         p = int_eltwise(op, self.q)
         ins = [self.storage[n] for n in op.inputs]
         out = self.storage[op.output]
         total = out.layout.blocks * out.height * out.width
-        per = min(cfg.acc_depth // 2, (1 << isa.LOOP_ITER_WIDTH) - 1)  # two regions: A and B
-        region_b = per
-        # uops: 0 = region A, 1 = region B (imm ops), 2 = A += B
-        uops = isa.encode_uop_arrays(np.array([0, region_b, 0]), np.array([0, 0, region_b]), np.zeros(3, np.int64), cfg)
+        per = min(cfg.acc_depth, cfg.inp_depth // len(ins), (1 << isa.LOOP_ITER_WIDTH) - 1)
+        order = sorted(range(len(ins)), key=lambda k: -p.in_shifts[k])
+        aligns = [p.in_shifts[k] for k in order] + [0]
+        # uops: 0 = the accumulator chunk (reset, ALU), 1 + k = identity GEMM of input k (inp region k)
+        n = len(ins)
+        uops = isa.encode_uop_arrays(np.zeros(1 + n, np.int64), np.array([0] + [k * per for k in range(n)]),
+                                     np.zeros(1 + n, np.int64), cfg)
         u_base = self._region(f"uop:{op.name}", uops, cfg.uop_elem_bytes)
+        ident = self._identity()
         steps = _Steps()
         for n_step, e0 in enumerate(range(0, total, per)):
-            n = min(per, total - e0)
+            m = min(per, total - e0)
             st = steps.new()
             if n_step == 0:
-                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u_base, y_size=1, x_size=3, x_stride=3))
-            for k, (src, sh) in enumerate(zip(ins, p.in_shifts)):
-                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=k * region_b,
-                                                 dram_base=src.elem + e0, y_size=1, x_size=n, x_stride=n))
-                if sh:
-                    st["compute"].append(_alu(isa.ALU_SHR, k, 1, n, imm=-sh))
-            if len(ins) == 2:
-                st["compute"].append(_alu(isa.ALU_ADD, 2, 1, n, src_in=1))
-            if p.round_add:
-                st["compute"].append(_alu(isa.ALU_ADD, 0, 1, n, imm=p.round_add))
-            _epilogue_tail(st, 0, 1, n, 0, p.shift, p.lo, p.hi)
+                st["load"].append(isa.MemInsn(memory_type=isa.MEM_WGT, sram_base=0, dram_base=ident, y_size=1, x_size=1, x_stride=1))
+                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_UOP, sram_base=0, dram_base=u_base, y_size=1,
+                                                 x_size=1 + n, x_stride=1 + n))
+            for k, src in enumerate(ins):
+                st["load"].append(isa.MemInsn(memory_type=isa.MEM_INP, sram_base=k * per, dram_base=src.elem + e0,
+                                              y_size=1, x_size=m, x_stride=m))
+            st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=0, uop_end=1, iter_in=m, dst_factor_in=1))
+            for j, k in enumerate(order):
+                st["compute"].append(isa.GemmInsn(uop_bgn=1 + k, uop_end=2 + k, iter_in=m, dst_factor_in=1, src_factor_in=1))
+                st["release"] = len(st["compute"]) - 1
+                for a in imm_shift_parts(-(aligns[j] - aligns[j + 1])):
+                    st["compute"].append(_alu(isa.ALU_SHR, 0, 1, m, imm=a))
+            _requantize(st, 0, 1, m, 0, p.shift)
+            _epilogue_tail(st, 0, 1, m, 0, 0, p.lo, p.hi)
             st["store"].append(isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=0, dram_base=out.elem + e0,
-                                           y_size=1, x_size=n, x_stride=n))
+                                           y_size=1, x_size=m, x_stride=m))
         return Program(op.name, steps.finish(), "eltwise", {"elements": total, "per_step": per})
 
     def _copy(self, op: ConcatOp) -> Program:
+        """A concat whose inputs are not views of its block: each input chunk through an identity
+        GEMM (the hardware stores only what GEMM/ALU wrote), then STORE at the concat offset."""
         cfg = self.cfg
         out = self.storage[op.output]
-        per = min(cfg.acc_depth, 65535)
+        per = min(cfg.acc_depth, cfg.inp_depth, (1 << isa.LOOP_ITER_WIDTH) - 1)
+        uops = isa.encode_uop_arrays(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), cfg)
+        u_base = self._region(f"uop:{op.name}", uops, cfg.uop_elem_bytes)
+        ident = self._identity()
         steps = _Steps()
         offset = 0
         for name in op.inputs:
@@ -518,12 +617,32 @@ class Compiler:
             for e0 in range(0, total, per):
                 n = min(per, total - e0)
                 st = steps.new()
-                st["compute"].append(isa.MemInsn(memory_type=isa.MEM_ACC_8BIT, sram_base=0, dram_base=src.elem + e0,
-                                                 y_size=1, x_size=n, x_stride=n))
+                if not steps.steps[:-1]:
+                    st["load"].append(isa.MemInsn(memory_type=isa.MEM_WGT, dram_base=ident, y_size=1, x_size=1, x_stride=1))
+                    st["compute"].append(isa.MemInsn(memory_type=isa.MEM_UOP, dram_base=u_base, y_size=1, x_size=1, x_stride=1))
+                st["load"].append(isa.MemInsn(memory_type=isa.MEM_INP, dram_base=src.elem + e0, y_size=1, x_size=n, x_stride=n))
+                st["compute"].append(isa.GemmInsn(reset_reg=True, uop_bgn=0, uop_end=1, iter_in=n, dst_factor_in=1))
+                st["compute"].append(isa.GemmInsn(uop_bgn=0, uop_end=1, iter_in=n, dst_factor_in=1, src_factor_in=1))
                 st["store"].append(isa.MemInsn(opcode=isa.OP_STORE, memory_type=isa.MEM_OUT, sram_base=0, dram_base=dst0 + e0,
                                                y_size=1, x_size=n, x_stride=n))
             offset += src.layout.blocks
         return Program(op.name, steps.finish(), "copy", {})
+
+
+def _requantize(step: dict, uop: int, iter_out: int, iter_in: int, dst_out: int, shift: int) -> None:
+    """``acc = (acc + 2**(shift-1)) >> shift`` (round half up; a left shift for ``shift < 0``) in
+    SHR instructions of at most 15, the rounding added before the last 15:
+    ``(a + 2**(s-1)) >> s == ((a >> (s-t)) + 2**(t-1)) >> t`` for ``0 < t <= s`` (the dropped low
+    bits cannot carry into bit ``s``), so the rounding constant fits the 16-bit immediate."""
+    if shift <= 0:
+        for a in imm_shift_parts(shift):
+            step["compute"].append(_alu(isa.ALU_SHR, uop, iter_out, iter_in, dst_out=dst_out, imm=a))
+        return
+    last = min(shift, SHR_RIGHT_MAX)
+    for a in imm_shift_parts(shift - last):
+        step["compute"].append(_alu(isa.ALU_SHR, uop, iter_out, iter_in, dst_out=dst_out, imm=a))
+    step["compute"].append(_alu(isa.ALU_ADD, uop, iter_out, iter_in, dst_out=dst_out, imm=1 << (last - 1)))
+    step["compute"].append(_alu(isa.ALU_SHR, uop, iter_out, iter_in, dst_out=dst_out, imm=last))
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Bit placement of VTA's instruction and micro-op fields (``hw_spec.h``), from a configuration.
 
-Kept apart from :mod:`tvm_layerfuse.vta.isa` so that validating a configuration
-(:mod:`tvm_layerfuse.vta.config`) can check that its fields fit without importing the ISA.
-``cfg`` is any object with the ``log_*_depth`` properties of :class:`~tvm_layerfuse.vta.config.VTAConfig`.
+Kept apart from :mod:`tvm_layerfuse.runtime.vta.isa` so that validating a configuration
+(:mod:`tvm_layerfuse.runtime.vta.config`) can check that its fields fit without importing the ISA.
+``cfg`` is any object with the ``log_*_depth`` properties of :class:`~tvm_layerfuse.runtime.vta.config.VTAConfig`.
 """
 
 from __future__ import annotations

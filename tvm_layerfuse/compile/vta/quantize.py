@@ -31,10 +31,10 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import InputError
-from . import host
+from ...errors import InputError
+from ...runtime.vta import host
+from ...runtime.vta.numerics import dequantize, quantize, shift_round
 from .graph import Act, ConcatOp, ConvOp, EltwiseOp, HostOp, Op, VTAGraph
-from .numerics import dequantize, quantize, shift_round
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def host_program(graph: VTAGraph, op: Op) -> tuple[list[dict], dict[str, np.ndar
         # extra outputs nobody reads (Dropout's mask) are fine: the step computes the first
         unused = all(not o or not first.consumers(o) and o not in first.outputs for o in layer.outputs[1:])
         if layer.op_type not in host.HOST_OPS or layer.domain or not unused:
-            from ..errors import BuildError
+            from ...errors import BuildError
 
             raise BuildError(
                 f"layer {layer.name!r} ({layer.op_type}) has no host implementation in the VTA flow; expected one of "
@@ -213,10 +213,12 @@ def int_conv(op: ConvOp, q: Quantization) -> IntConv:
     f_x = q.frac[op.input]
     f_out = q.frac[op.outputs[0].tensor]
     f_w = np.asarray(q.weight_frac[op.name], dtype=np.int64)  # [C_out]
-    # keep every shift a valid 5-bit ALU operand
-    f_w = np.minimum(f_w, f_out - f_x + 30)
+    # keep the requantization shift in -16..30 and the residual alignment in -15..30: at most
+    # three SHR instructions each on the hardware (15 right or 16 left per instruction)
+    f_w = np.maximum(np.minimum(f_w, f_out - f_x + 30), f_out - f_x - 16)
     if op.residual:
-        f_w = np.minimum(f_w, q.frac[op.residual] - f_x + 30)
+        f_res = q.frac[op.residual]
+        f_w = np.maximum(np.minimum(f_w, f_res - f_x + 30), f_res - f_x - 15)
     big_f = f_x + f_w  # [C_out]
     shift = big_f - f_out
     w_q = np.clip(np.floor(op.weight * (2.0 ** f_w.astype(np.float64)).reshape(-1, 1, 1, 1) + 0.5), -128, 127).astype(np.int8)

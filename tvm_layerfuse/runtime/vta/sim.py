@@ -1,6 +1,25 @@
-"""A functional VTA simulator: executes an instruction stream bit-exactly, with VTA's counters.
+"""A VTA simulator: executes an instruction stream bit-exactly, with VTA's counters.
 
-What each instruction does is VTA's (``sim_driver.cc``):
+Two modes. ``hardware`` (the default) executes what both hardware designs execute - the
+FPGA design (``hardware/xilinx/src/vta.cc``, what a PYNQ/Ultra96 bitstream is built from)
+and the Chisel design (``hardware/chisel``) - and refuses, in one line naming the program
+and the instruction, every form on which they differ from the functional simulator:
+
+* a ``LOAD acc8`` (memory type 5; only ``sim_driver.cc`` has it);
+* a ``STORE`` of accumulators that no GEMM or ALU wrote since they were loaded or reset:
+  the hardware stores from a separate output buffer (``out_mem``) that only GEMM and ALU
+  write, as they finish each element (modelled here);
+* an ALU shift amount outside the FPGA design's signed 5-bit range -16..15;
+* a vector-mode SHR whose lanes' signs disagree with the immediate's sign bit (the Chisel
+  design chooses left or right from that bit for all lanes);
+* ``MUL`` (neither design has it);
+* a weight LOAD with padding (the FPGA design's weight DMA has none), and a micro-op LOAD
+  of more than one row or with padding (the FPGA design copies ``x_size`` words).
+
+``functional`` is upstream's functional simulator (``sim_driver.cc``), for comparison.
+See docs/vta.md for the upstream file and line of each rule.
+
+What each instruction does (both modes, but for the above):
 
 * ``LOAD`` copies ``y_size`` rows of ``x_size`` elements, ``x_stride`` elements apart in
   DRAM, into consecutive SRAM elements, with ``y_pad_*`` zero rows and ``x_pad_*`` zero
@@ -12,7 +31,8 @@ What each instruction does is VTA's (``sim_driver.cc``):
   (int8 x int8 products summed in int32, wrapping) or zeroes ``acc[dst]`` with ``reset_reg``.
 * ``ALU`` applies MIN/MAX/ADD/SHR/MUL (int32) of ``acc[dst]`` and ``imm`` or ``acc[src]``;
   SHR by a negative amount shifts left.
-* ``STORE`` narrows accumulators to the output width by truncation (their low 8 bits).
+* ``STORE`` writes the low 8 bits of the accumulators: in ``functional`` mode narrowed at
+  store time, in ``hardware`` mode from the output buffer GEMM/ALU wrote.
 
 The three modules (load, compute, store; see :func:`isa.module_of`) run concurrently in
 hardware and synchronise only through four token queues (load->compute, compute->load,
@@ -39,7 +59,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ..errors import LayerfuseError
+from ...errors import LayerfuseError
 from . import isa
 from .config import DEFAULT, VTAConfig
 
@@ -62,12 +82,23 @@ class HazardError(VTAProgramError):
     """Two modules access the same SRAM element without a token ordering them."""
 
 
+class HardwareError(VTAProgramError):
+    """An instruction the VTA hardware designs do not execute as the functional simulator does."""
+
+
+MODES = ("hardware", "functional")
+SHIFT_MIN, SHIFT_MAX = -16, 15
+"""The FPGA design's ALU shift amount: the low ``LOG_ACC_WIDTH`` = 5 bits, signed (``aluop_shr_arg_T``)."""
+
+
 @dataclass
 class Counters:
     """VTA's profiler counters (``vta.simulator.profiler_status``) plus instruction counts.
 
-    ``acc_load_nbytes`` counts the bytes read from DRAM (one byte per element for ``acc8``
-    loads). ``gemm_counter``/``alu_counter`` count micro-op executions as VTA does."""
+    Defined as upstream's ``sim_driver.cc`` defines them: a LOAD counts ``x_size * y_size``
+    elements of its buffer kind (``acc8`` loads, functional mode only, count accumulator
+    elements), a STORE ``x_size * y_size`` output elements; ``gemm_counter``/``alu_counter``
+    count micro-op executions (a GEMM reset counts none)."""
 
     inp_load_nbytes: int = 0
     wgt_load_nbytes: int = 0
@@ -150,8 +181,12 @@ _QUEUE_NAMES = {"l2g": "load->compute", "g2l": "compute->load", "g2s": "compute-
 class Simulator:
     """One VTA device: SRAM buffers, DRAM, counters. :meth:`run` executes a program."""
 
-    def __init__(self, cfg: VTAConfig = DEFAULT, dram: Optional[DRAM] = None) -> None:
+    def __init__(self, cfg: VTAConfig = DEFAULT, dram: Optional[DRAM] = None, *, mode: str = "hardware") -> None:
+        if mode not in MODES:
+            raise ValueError(f"simulator mode {mode!r} is unknown; expected one of {', '.join(MODES)}")
         self.cfg = cfg
+        self.mode = mode
+        self.hardware = mode == "hardware"
         self.dram = dram if dram is not None else DRAM()
         b = cfg.block
         self._inp_b = np.zeros((cfg.inp_depth, cfg.inp_elem_bytes), np.uint8)
@@ -162,12 +197,17 @@ class Simulator:
         self.wgt = self._wgt_b.view(np.int8).reshape(cfg.wgt_depth, b, b)  # [depth, block_out, block_in]
         self.acc = self._acc_b.view("<i4")  # [depth, block_out]
         self.uop_words = self._uop_b.view("<u4").reshape(-1)
+        self.out = np.zeros((cfg.acc_depth, b), np.int8)  # the FPGA design's out_mem (hardware mode)
+        self._out_valid = np.zeros(cfg.acc_depth, bool)  # written by a GEMM/ALU since the last LOAD acc / reset
+        self.program = "?"
         self.counters = Counters()
         self._uop_cache: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
 
     # ------------------------------------------------------------------ program
-    def run(self, program: Union[np.ndarray, bytes, Sequence[isa.Insn]]) -> Counters:
-        """Execute one program (instructions or their bytes); returns this run's counters."""
+    def run(self, program: Union[np.ndarray, bytes, Sequence[isa.Insn]], *, name: str = "?") -> Counters:
+        """Execute one program (instructions or their bytes); returns this run's counters.
+        ``name`` names the program in error messages."""
+        self.program = name
         insns = list(program) if not isinstance(program, (bytes, np.ndarray)) else isa.decode_stream(program, self.cfg)
         before = Counters().add(self.counters)
         streams: dict[str, list[tuple[int, isa.Insn]]] = {m: [] for m in MODULES}
@@ -252,6 +292,12 @@ class Simulator:
             "between the two modules - set the push/pop flags"
         )
 
+    def _refuse(self, k: int, insn: isa.Insn, what: str, fix: str) -> HardwareError:
+        return HardwareError(
+            f"VTA program {self.program!r}, instruction {k} ({isa.describe(insn)}): {what}; {fix} "
+            "(or run the simulator with mode='functional' to compare with sim_driver.cc)"
+        )
+
     def _guard(self, k, insn, stamps: np.ndarray, idx: np.ndarray, known: int, what: str) -> None:
         if idx.size and int(stamps[idx].max()) > known:
             raise self._hazard(k, insn, what)
@@ -296,6 +342,18 @@ class Simulator:
                 f"instruction {k} ({isa.describe(insn)}): LOAD into memory type {mt}; expected uop, wgt, inp, acc or acc8"
             )
         kind = kinds[mt]
+        if self.hardware:
+            pads = (insn.y_pad_0, insn.y_pad_1, insn.x_pad_0, insn.x_pad_1)
+            if mt == isa.MEM_ACC_8BIT:
+                raise self._refuse(k, insn, "LOAD acc8 exists only in the functional simulator (the FPGA design ignores it, "
+                                   "the Chisel design's decoder has no pattern for it)",
+                                   "expected LOAD inp and a GEMM with an identity weight block to bring int8 data into the accumulators")
+            if mt == isa.MEM_WGT and any(pads):
+                raise self._refuse(k, insn, "a weight LOAD with padding (the FPGA design's weight DMA has none)",
+                                   "expected all pads 0 - store zero weight blocks in DRAM instead")
+            if mt == isa.MEM_UOP and (insn.y_size != 1 or any(pads)):
+                raise self._refuse(k, insn, "a micro-op LOAD of several rows or with padding (the FPGA design copies x_size words)",
+                                   "expected y_size 1 and no padding")
         src_eb = cfg.inp_elem_bytes if mt == isa.MEM_ACC_8BIT else cfg.elem_bytes(kind)
         xt = insn.x_size + insn.x_pad_0 + insn.x_pad_1
         yt = insn.y_size + insn.y_pad_0 + insn.y_pad_1
@@ -306,7 +364,7 @@ class Simulator:
         if rows.size and rows.max() >= elems.shape[0]:
             raise VTAProgramError(f"instruction {k} ({isa.describe(insn)}) reads past the end of DRAM")
         data = elems[rows]  # [y_size, x_size, src_eb]
-        nbytes = insn.x_size * insn.y_size * src_eb
+        nbytes = insn.x_size * insn.y_size * cfg.elem_bytes(kind)  # sim_driver.cc: elements of the buffer kind
         c = self.counters
         if kind == "inp":
             self._guard(k, insn, self._inp_r, idx, vc[_M["compute"]], "LOAD overwrites input elements a GEMM may still read")
@@ -323,6 +381,7 @@ class Simulator:
             self._guard(k, insn, self._acc_r, idx, vc[_M["store"]], "LOAD overwrites accumulators a STORE may still read")
             target, c.acc_load_nbytes = self._acc_b, c.acc_load_nbytes + nbytes
             self._acc_w[idx] = now
+            self._out_valid[idx] = False
             if mt == isa.MEM_ACC_8BIT:  # int8 sign-extended to int32
                 data = data.view(np.int8).astype("<i4").view(np.uint8).reshape(insn.y_size, insn.x_size, -1)
         block = np.zeros((yt, xt, target.shape[1]), np.uint8)
@@ -340,7 +399,15 @@ class Simulator:
         idx = self._range(k, insn, insn.sram_base, insn.x_size * insn.y_size, cfg.acc_depth, "acc")
         self._guard(k, insn, self._acc_w, idx, vc[_M["compute"]], "STORE reads accumulators a GEMM/ALU may still write")
         self._acc_r[idx] = now
-        values = self.acc[idx].astype(np.int8)  # truncation to the low 8 bits (two's complement wrap)
+        if self.hardware:
+            if not self._out_valid[idx].all():
+                bad = int(idx[~self._out_valid[idx]][0])
+                raise self._refuse(k, insn, f"STORE of accumulator {bad}, which no GEMM or ALU wrote since it was loaded or "
+                                   "reset (the hardware stores from the output buffer, which only GEMM and ALU write)",
+                                   "expected a GEMM or ALU instruction on every stored element after its LOAD")
+            values = self.out[idx]
+        else:
+            values = self.acc[idx].astype(np.int8)  # truncation to the low 8 bits (two's complement wrap)
         elems = self.dram.elements(cfg.out_elem_bytes)
         rows = insn.dram_base + np.arange(insn.y_size)[:, None] * insn.x_stride + np.arange(insn.x_size)[None, :]
         if rows.max() >= elems.shape[0]:
@@ -378,6 +445,7 @@ class Simulator:
             self._guard(k, insn, self._acc_r, dst, vc[_M["store"]], "GEMM reset overwrites accumulators a STORE may still read")
             self.acc[dst] = 0
             self._acc_w[dst] = now
+            self._out_valid[dst] = False  # the FPGA design writes old + dot product to out_mem
             return
         self.counters.gemm_counter += steps
         dst, src, wgt = self._indices(
@@ -410,6 +478,7 @@ class Simulator:
         touched = np.unique(dst)
         summed = total.reshape(cfg.acc_depth, block)[touched].astype(np.int64)
         self.acc[touched] = (self.acc[touched].astype(np.int64) + summed).astype(np.int32)  # wraps like the hardware
+        self._wrote(touched)
 
     def _alu(self, k: int, insn: isa.AluInsn, vc: list[int], now: int) -> None:
         cfg = self.cfg
@@ -417,6 +486,9 @@ class Simulator:
             raise VTAProgramError(f"instruction {k} ({isa.describe(insn)}): micro-op range outside the uop buffer")
         if insn.alu_opcode not in isa.ALU_NAMES:
             raise VTAProgramError(f"instruction {k} ({isa.describe(insn)}): unknown ALU opcode {insn.alu_opcode}")
+        if self.hardware and insn.alu_opcode == isa.ALU_MUL:
+            raise self._refuse(k, insn, "ALU MUL (neither the FPGA nor the Chisel design has it)",
+                               "expected MIN, MAX, ADD or SHR")
         dst_u, src_u, _ = (a[insn.uop_bgn : insn.uop_end] for a in self._uops())
         self.counters.alu_counter += insn.iter_out * insn.iter_in * (insn.uop_end - insn.uop_bgn)
         dst, src = self._indices(
@@ -430,6 +502,8 @@ class Simulator:
         self._guard(k, insn, self._acc_r, dst, vc[_M["store"]], "ALU writes accumulators a STORE may still read")
         self._acc_w[dst] = now
         op = insn.alu_opcode
+        if self.hardware and op == isa.ALU_SHR:
+            self._check_shift(k, insn, None if insn.use_imm else src)
         if insn.use_imm:
             if op == isa.ALU_SHR and abs(insn.imm) >= cfg.acc_width:
                 raise VTAProgramError(f"instruction {k} ({isa.describe(insn)}): shift by {insn.imm}; expected |imm| < {cfg.acc_width}")
@@ -438,7 +512,36 @@ class Simulator:
             else:
                 for d in dst:
                     self.acc[d] = _alu_op(op, self.acc[d], np.int32(insn.imm))
+            self._wrote(dst)
             return
+        self._alu_vector(op, dst, src)
+        self._wrote(dst)
+
+    def _wrote(self, idx: np.ndarray) -> None:
+        """GEMM/ALU results reach the output buffer (the FPGA design's ``out_mem``) as they finish."""
+        self.out[idx] = self.acc[idx].astype(np.int8)
+        self._out_valid[idx] = True
+
+    def _check_shift(self, k: int, insn: isa.AluInsn, src: Optional[np.ndarray]) -> None:
+        """Shift amounts both hardware designs execute as the functional simulator does."""
+        if src is None:
+            if not SHIFT_MIN <= insn.imm <= SHIFT_MAX:
+                raise self._refuse(k, insn, f"shift by {insn.imm}, outside the FPGA design's signed 5-bit range "
+                                   f"{SHIFT_MIN}..{SHIFT_MAX}", "expected the shift split into several SHR instructions")
+            return
+        lanes = self.acc[np.unique(src)]
+        if lanes.size and (lanes.min() < SHIFT_MIN or lanes.max() > SHIFT_MAX):
+            bad = int(lanes[(lanes < SHIFT_MIN) | (lanes > SHIFT_MAX)][0])
+            raise self._refuse(k, insn, f"a lane shifts by {bad}, outside the FPGA design's signed 5-bit range "
+                               f"{SHIFT_MIN}..{SHIFT_MAX}", "expected the shift split into several SHR instructions")
+        left = insn.imm < 0  # the Chisel design: the immediate's sign bit picks left shifts for every lane
+        if lanes.size and ((left and lanes.max() > 0) or (not left and lanes.min() < 0)):
+            bad = int(lanes.max() if left else lanes.min())
+            raise self._refuse(k, insn, f"a lane shifts by {bad} but the immediate's sign bit selects "
+                               f"{'left' if left else 'right'} shifts for all lanes (the Chisel design)",
+                               "expected the lanes of one vector SHR to share one sign, and imm < 0 for left shifts")
+
+    def _alu_vector(self, op: int, dst: np.ndarray, src: np.ndarray) -> None:
         if self._vectorisable(dst, src):
             self.acc[dst] = _alu_op(op, self.acc[dst], self.acc[src])
         else:  # an iteration reads what an earlier one wrote: keep VTA's sequential order

@@ -21,13 +21,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..planner import plan as make_plan
+from ...planner import plan as make_plan
+from ...runtime.vta.config import DEFAULT, VTAConfig
+from ...runtime.vta.runtime import RunResult
 from .codegen import CompiledVTA, compile_graph, prepare
-from .config import DEFAULT, VTAConfig
 from .executor import execute
 from .graph import VTAGraph, lower_plan, placement, unfuse
 from .quantize import Quantization, calibrate, random_samples, reference
-from .runtime import RunResult
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def build(
 
 def _check_samples(graph: VTAGraph, samples: Sequence[Mapping[str, np.ndarray]]) -> None:
     """Calibration inputs must name every graph input with its compiled shape."""
-    from ..errors import InputError
+    from ...errors import InputError
 
     for k, feeds in enumerate(samples):
         if not isinstance(feeds, Mapping):
@@ -95,7 +95,7 @@ def _check_samples(graph: VTAGraph, samples: Sequence[Mapping[str, np.ndarray]])
 
 def accuracy(b: VTABuild, onnx_model, inputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, float]:
     """int8 (simulator) vs fp32 (onnxruntime, optimisations off) on ``inputs``."""
-    from ..topology.reference import session
+    from ...topology.reference import session
 
     sess = session(onnx_model)
     out = b.graph.outputs[0]
@@ -143,17 +143,17 @@ def compile_vta(
     import tempfile
     from pathlib import Path
 
-    from ..compile.presets import check_toolchain, resolve
-    from ..runtime import artifact
-    from ..runtime.loader import this_machine
-    from .config import load_config
+    from ...runtime import artifact
+    from ...runtime.loader import this_machine
+    from ...runtime.vta.config import load_config
+    from ...runtime.vta.runtime import HOST_LIBRARY
+    from ..presets import check_toolchain, resolve
     from .executor import to_module
     from .host_library import attach, build_host_library
-    from .runtime import HOST_LIBRARY
 
     spec = resolve(target)
     if spec.device != "vta":
-        from ..errors import UsageError
+        from ...errors import UsageError
 
         raise UsageError(f"target {target!r} is for device {spec.device!r}; expected a VTA preset (\"device\": \"vta\") - use --target vta")
     check_toolchain(spec)
@@ -187,9 +187,9 @@ def _manifest(p: Any, b: VTABuild, rep: Mapping[str, Any], model: Any, *, spec: 
 
     import tvm
 
-    from .. import __version__
-    from ..runtime import artifact
-    from .runtime import MANIFEST
+    from ... import __version__
+    from ...runtime import artifact
+    from ...runtime.vta.runtime import MANIFEST
 
     first = p.first
 
@@ -233,7 +233,7 @@ def read_calibration(path: Any, shapes: Mapping[str, Sequence[int]], *, count: O
     import zipfile
     from pathlib import Path
 
-    from ..errors import InputError
+    from ...errors import InputError
 
     where = f"calibration file {str(path)!r}"
     if not Path(path).is_file():

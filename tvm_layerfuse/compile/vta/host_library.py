@@ -2,9 +2,9 @@
 
 What VTA does not run (the stem conv on the image, pools, LRN, the classifier, softmax,
 epilogues its ALU has no form for) runs on the host CPU. The artifact describes each host op
-as *host steps* (:func:`tvm_layerfuse.vta.quantize.host_program`: ``conv``, ``add``,
+as *host steps* (:func:`tvm_layerfuse.compile.vta.quantize.host_program`: ``conv``, ``add``,
 ``acts``, ``slice``, ``concat`` and ``layer`` = one ONNX op); numpy interprets them
-(:func:`tvm_layerfuse.vta.host.run_steps`, the reference). Here the same steps become code::
+(:func:`tvm_layerfuse.runtime.vta.host.run_steps`, the reference). Here the same steps become code::
 
     host steps of op k ─► ONNX model (float64; the op's reads -> its writes)
                       ─► tvm_layerfuse.relax.importer.import_onnx (TVM's ONNX frontend)
@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..errors import BuildError, first_line
+from ...errors import BuildError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -244,9 +244,9 @@ def build_host_library(
     import tvm
     from tvm import relax
 
-    from ..compile.build import export_library
-    from ..relax._ir import tvm_compile
-    from ..relax.importer import import_onnx
+    from ...relax._ir import tvm_compile
+    from ...relax.importer import import_onnx
+    from ..build import export_library
 
     functions: list[HostFunction] = []
     module: dict[Any, Any] = {}
@@ -288,7 +288,7 @@ def build_host_library(
 
 
 def attach(module: Any, lib: HostLibrary, *, file: str) -> None:
-    """Make ``module`` (a :class:`tvm_layerfuse.vta.runtime.VTAModule` about to be written)
+    """Make ``module`` (a :class:`tvm_layerfuse.runtime.vta.runtime.VTAModule` about to be written)
     name the library: ``host_library`` in its manifest, ``function`` and ``params`` on each
     host op."""
     by_op = {f.op: f for f in lib.functions}

@@ -13,7 +13,7 @@ byte sizes of the four on-chip buffers. Everything else follows::
     depth(kind)  = buffer bytes / element bytes
 
 The instruction fields that index those buffers are ``log2(depth)`` bits wide (see
-:mod:`tvm_layerfuse.vta.isa`). The default is VTA's shipped configuration (PYNQ-Z1 class:
+:mod:`tvm_layerfuse.runtime.vta.isa`). The default is VTA's shipped configuration (PYNQ-Z1 class:
 int8 x int8 -> int32, 16 x 16 block, batch 1).
 """
 
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from ..errors import UsageError
+from ...errors import UsageError
 from .encoding import check_layout
 
 UOP_WIDTH_BITS = 32

@@ -1,0 +1,102 @@
+"""The oneDNN tactic's conv algorithm choice with the timings injected, so that the answer
+does not depend on this machine (nor on whether its oneDNN has a Winograd kernel at all:
+oneDNN 2.6 has one for AVX-512 only). Winograd is kept exactly when it is at least 5 %
+faster than the direct conv (``WINOGRAD_GAIN``, as the README states it); both directions and both sides of the
+threshold are checked, on the layer record (kernel, timing text) and on the call the
+compiled model makes (its algorithm attribute)."""
+
+from __future__ import annotations
+
+import pytest
+from tvm import relax
+
+from graphs import Net
+from tvm_layerfuse.compile.tactics import onednn
+from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
+from tvm_layerfuse.relax.pipeline import fuse_with_report
+
+MISSING = onednn.availability()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
+INJECTED_KERNEL = "jit_wino_injected"
+
+
+def _model():
+    """One 3x3 stride-1 conv (Winograd applies) and one 1x1 (it does not); 8 channels keep
+    the plain layout, so the kernel names recorded are the ones the choice made."""
+    n = Net(seed=31)
+    x = n.input("x", (1, 8, 12, 12))
+    y = n.relu(n.conv(x, 8, k=3, name="c3"))
+    return n.build([n.relu(n.conv(y, 8, k=1, name="c1"))])
+
+
+def _conv_algorithms(mod) -> list[int]:
+    """The algorithm attribute of every oneDNN conv call (attrs[14]: 0 direct, 1 Winograd)."""
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.call_dps_packed":
+            if e.args[0].global_symbol.startswith("layerfuse.onednn.conv2d"):
+                found.append(int(list(e.args[1].fields)[-1].values[14]))
+
+    for _, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return fuse_with_report(_model(), bind=True).mod
+
+
+@pytest.fixture
+def injected(monkeypatch):
+    """oneDNN answers as if it had a Winograd kernel; ``timings`` = (direct ms, Winograd ms)."""
+    real = onednn.implementation
+    calls = []
+
+    def implementation(x_shape, w_shape, attrs, *, residual):
+        kernel = real(x_shape, w_shape, attrs, residual=residual)
+        return INJECTED_KERNEL if kernel.startswith(("ref", "unsupported")) else kernel
+
+    def time_conv(x_shape, w_shape, attrs_a, attrs_b, *, residual, reps=7):
+        calls.append((list(x_shape), list(w_shape)))
+        return injected.timings
+
+    monkeypatch.setattr(onednn, "implementation", implementation)
+    monkeypatch.setattr(onednn, "time_conv", time_conv)
+    injected.calls = calls
+    return injected
+
+
+@pytest.mark.parametrize(
+    "direct_ms, wino_ms, winograd",
+    [
+        (2.0, 1.0, True),  # twice as fast: Winograd
+        (1.0, 2.0, False),  # twice as slow: direct
+        (1.05, 1.0, True),  # exactly the required gain: 5 % (README, --winograd timed)
+        (1.04, 1.0, False),  # faster, but by less than 5 %
+    ],
+)
+def test_winograd_is_kept_exactly_when_it_is_faster_by_the_gain(fused, injected, direct_ms, wino_ms, winograd):
+    injected.timings = (direct_ms, wino_ms)
+    chooser = UseOneDNNConv(winograd="timed")
+    mod = chooser(fused)
+    convs = [c for c in chooser.layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:", "concat:"))]
+    assert len(convs) == 2, chooser.layers
+    three, one = sorted(convs, key=lambda c: c.shape.endswith("3, 3]"), reverse=True)
+    assert injected.calls == [([1, 8, 12, 12], [8, 8, 3, 3])]  # only the 3x3 conv is timed, once
+    assert three.timing == f"direct {direct_ms:.3f} ms, winograd {wino_ms:.3f} ms"
+    assert (three.kernel == INJECTED_KERNEL) is winograd, three
+    assert one.kernel != INJECTED_KERNEL and not one.timing, one
+    assert sorted(_conv_algorithms(mod)) == ([0, 1] if winograd else [0, 0])
+
+
+@pytest.mark.parametrize("mode, winograd", [("never", False), ("always", True)])
+def test_fixed_modes_ignore_the_timings(fused, injected, mode, winograd):
+    injected.timings = (1.0, 2.0) if winograd else (2.0, 1.0)  # the opposite of the mode's answer
+    chooser = UseOneDNNConv(winograd=mode)
+    mod = chooser(fused)
+    assert not injected.calls
+    assert sorted(_conv_algorithms(mod)) == ([0, 1] if winograd else [0, 0])
+    assert any(c.kernel == INJECTED_KERNEL for c in chooser.layers) is winograd
