@@ -22,6 +22,10 @@ def test_cpp_constants_follow_the_python_field_order():
     # the check itself notices a swap (two fields, two activations)
     assert abi.check_record_order(source.replace("kAlphaBits, kBetaBits", "kBetaBits, kAlphaBits"))
     assert abi.check_record_order(source.replace("kHardswish, kHardsigmoid", "kHardsigmoid, kHardswish"))
+    # the block widths are fields of the records too (conv, pool, to_blocked)
+    assert abi.check_record_order(source.replace("kSrcBlock, kDstBlock", "kDstBlock, kSrcBlock"))
+    assert abi.check_record_order(source.replace("kPoolPadRight,\n  kPoolBlock", "kPoolBlock,\n  kPoolPadRight"))
+    assert abi.check_record_order(source.replace("enum ToBlockedField : int { kBlock,", "enum ToBlockedField : int { kWidth,"))
     assert re.search(rf"constexpr int64_t kAbiVersion = {abi.ABI_VERSION};", source), "the C++ ABI version is abi.ABI_VERSION"
 
 
@@ -29,10 +33,12 @@ def test_cpp_constants_follow_the_python_field_order():
     "record",
     [
         abi.ConvAttrs.make(strides=(2, 1), padding=(1, 2, 3, 4), dilation=(1, 2), groups=4, act="clip", alpha=-1.5, beta=6.0),
-        abi.PoolAttrs(abi.POOL_ALGORITHMS["avg"], 3, 3, 2, 2, 1, 1, 1, 1, 1),
-        abi.ConcatSpec(1, (abi.Member(abi.CONV, 0, 4), abi.Member(abi.COPY, 16, 1), abi.Member(abi.CONV_PRE, 48, 7))),
+        abi.ConvAttrs().replace(src_block=8, dst_block=abi.dst_block([16, 0, 8])),
+        abi.PoolAttrs(abi.POOL_ALGORITHMS["avg"], 3, 3, 2, 2, 1, 1, 1, 1, 8),
+        abi.ToBlockedAttrs(16),
+        abi.ConcatSpec(16, (abi.Member(abi.CONV, 0, 4), abi.Member(abi.COPY, 16, 1), abi.Member(abi.CONV_PRE, 48, 7))),
     ],
-    ids=["conv", "pool", "concat"],
+    ids=["conv", "conv-blocked", "pool", "to_blocked", "concat"],
 )
 def test_records_round_trip_through_their_shape(record):
     shape = record.to_shape()
@@ -55,6 +61,34 @@ def test_malformed_conv_attrs_are_refused(field):
         abi.ConvAttrs.from_shape(values)
     with pytest.raises(abi.AbiError, match="16 fields"):
         abi.ConvAttrs.from_shape(values[:-1])
+
+
+def test_block_widths_are_named_fields():
+    a = abi.ConvAttrs().replace(src_block=8, dst_block=abi.dst_block([16, 0, 8]))
+    assert [a.dst_block_of(j) for j in range(4)] == [16, 0, 8, 0]
+    assert a.values()[abi.ConvAttrs.names().index("dst_block")] == 16 | 8 << (2 * abi.DST_BLOCK_BITS)
+    assert abi.PoolAttrs.names()[-1] == "block" and abi.ToBlockedAttrs.names() == ("block",)
+    x = relax.Var("x", relax.TensorType([1, 16, 4, 4], "float32"))
+    call = abi.make(abi.TO_BLOCKED, input=x, attrs=abi.ToBlockedAttrs(8))
+    again = abi.bind(abi.TO_BLOCKED, call.flat())
+    assert again.args.input is x and again.attrs == abi.ToBlockedAttrs(8)
+    assert [abi.layout_name(w) for w in abi.BLOCK_WIDTHS] == ["nchw", "nChw8c", "nChw16c"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: abi.ConvAttrs().replace(src_block=1).check(),  # the old 0/1 flag
+        lambda: abi.ConvAttrs().replace(dst_block=abi.dst_block([16, 4])).check(),
+        lambda: abi.PoolAttrs.from_shape([0, 2, 2, 2, 2, 0, 0, 0, 0, 32]),
+        lambda: abi.ToBlockedAttrs.from_shape([0]),
+        lambda: abi.ConcatSpec.from_shape([1, abi.COPY, 0, 1]),
+    ],
+    ids=["conv-src", "conv-dst", "pool", "to_blocked", "concat"],
+)
+def test_unknown_block_widths_are_refused(make):
+    with pytest.raises(abi.AbiError, match="block"):
+        make()
 
 
 def test_registry_binds_arguments_by_role():

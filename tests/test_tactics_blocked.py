@@ -1,4 +1,5 @@
-"""The oneDNN tactic keeps activations blocked (nChw16c) across whole networks: pools,
+"""The oneDNN tactic keeps activations blocked (nChw16c with AVX-512, nChw8c with AVX2: the
+block width of oneDNN's kernels on this CPU) across whole networks: pools,
 concats and the split pieces of horizontally merged convs are oneDNN calls too, so the
 compiled model launches no more kernels than TVM's default pipeline and reorders only where
 a TVM kernel reads a tensor. Through the path users run (``compile`` -> artifact ->
@@ -17,6 +18,13 @@ from tvm_layerfuse.testing import cnn_graphs, zoo
 
 MISSING = onednn.availability()
 needs_onednn = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
+
+
+def _blocked() -> str:
+    """The blocked layout of this CPU's oneDNN kernels: nChw16c (AVX-512) or nChw8c (AVX2)."""
+    width = onednn.block_width()
+    assert width in (8, 16), width
+    return onednn.layout_name(width)
 
 MODELS = {  # full channel counts (C % 16 == 0 as in the real networks), small images
     "googlenet": lambda: zoo.googlenet(width=1.0, image=32, blocks=3, seed=11),
@@ -39,8 +47,9 @@ def test_blocked_network_has_no_more_kernels_than_tvm_default(name, tmp_path):
     pools = [c for c in layers if c["layer"].startswith("pool:")]
     assert pools and all(c["tactic"] == "onednn" and "ref" not in c["kernel"] for c in pools)
     layouts = Counter(c["layout"] for c in layers if c["tactic"] == "onednn")
-    assert layouts["nChw16c"] >= 1, layouts  # a pool between blocked tensors
-    assert sum(n for k, n in layouts.items() if k.startswith("nChw16c>nChw16c")) >= 3, layouts
+    blocked = _blocked()
+    assert layouts[blocked] >= 1, layouts  # a pool between blocked tensors
+    assert sum(n for k, n in layouts.items() if k.startswith(f"{blocked}>{blocked}")) >= 3, layouts
 
 
 def _pools_net(batch: int, seed: int):
@@ -85,7 +94,7 @@ def test_every_pool_kind_and_split_pieces_in_the_blocked_layout(batch, tmp_path)
     layers = {c["layer"]: c for c in manifest["tactics"]["layers"]}
     pools = [c for name, c in layers.items() if name.startswith("pool:")]
     assert len(pools) == 4, pools  # max, two averages, global; the ceil+count_include_pad one stays TVM
-    assert all(c["layout"] == "nChw16c" for c in pools), pools
+    assert all(c["layout"] == _blocked() for c in pools), pools
     assert any("," in c["layout"] for c in layers.values()), "the merged 1x1 convs write their pieces"
     (concat,) = [c for name, c in layers.items() if name.startswith("concat:")]
     if batch == 1:  # both pieces' convs write their channel ranges of the block: no copy
@@ -122,7 +131,7 @@ def test_every_conv_layer_of_the_compiled_model_runs_on_onednn(name, build, tmp_
     if name == "densenet121":
         pre = [c for c in layers if c["layer"].startswith("layerfuse_bn_relu_")]
         assert len(pre) == 5 and all(c["tactic"] == "onednn" for c in pre), pre  # 2 + 2 dense layers, 1 transition
-        assert any(c["layout"].startswith("nChw16c>") for c in pre), pre  # the block's concat read blocked
+        assert any(c["layout"].startswith(f"{_blocked()}>") for c in pre), pre  # the block's concat read blocked
     launches = manifest["fusion"]["kernels"]["kernels"]
     assert launches <= compare(model)["default"]["kernels"]
 
@@ -143,5 +152,6 @@ def test_differential_fuzzing_of_branchy_graphs_with_the_tactic(case):
 def test_pools_get_optimised_kernels(blocked):
     """oneDNN's reference kernels are a hundred times slower: none for the library's own steps."""
     for alg in onednn.POOL_ALGORITHMS.values():
-        k = onednn.pool_implementation([1, 64, 56, 56], [1, 64, 28, 28], [alg, 3, 3, 2, 2, 1, 1, 1, 1, int(blocked)])
+        block = onednn.block_width() if blocked else 0
+        k = onednn.pool_implementation([1, 64, 56, 56], [1, 64, 28, 28], [alg, 3, 3, 2, 2, 1, 1, 1, 1, block])
         assert not k.startswith(("ref", "unsupported")), k

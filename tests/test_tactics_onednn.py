@@ -21,7 +21,7 @@ from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.tactics import apply_tactics, format_tactics, onednn
 from tvm_layerfuse.compile.tactics.abi import ABI_VERSION, ACTIVATIONS, ConvAttrs
-from tvm_layerfuse.compile.tactics.use_onednn import WINOGRAD_GAIN, UseOneDNNConv
+from tvm_layerfuse.compile.tactics.use_onednn import NO_WINOGRAD, WINOGRAD_GAIN, UseOneDNNConv
 from tvm_layerfuse.errors import ArtifactError, BuildError
 from tvm_layerfuse.lowering import layerfuse_pipeline
 from tvm_layerfuse.relax.pipeline import fuse_with_report, unfused
@@ -34,15 +34,16 @@ needs_onednn = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not in
 
 
 @functools.cache
-def _has_winograd() -> bool:
-    """Whether oneDNN has a Winograd kernel on this CPU (2.6: AVX-512 machines only)."""
+def _winograd_here() -> bool:
+    """Whether oneDNN has a Winograd kernel on this CPU, asked for a probe layer (3x3, stride
+    1, 32 -> 32 channels): oneDNN 2.6 has them for AVX-512 only."""
     if MISSING is not None:
         return False
+    width = onednn.block_width()
     attrs = ConvAttrs.make(strides=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1), groups=1).replace(
-        algorithm=1, src_blocked=1, dst_blocked=1
+        algorithm=1, src_block=width, dst_block=width
     )
-    return "wino" in onednn.implementation([1, 64, 28, 28], [64, 64, 3, 3], attrs, residual=False)
-
+    return not onednn.implementation([1, 32, 14, 14], [32, 32, 3, 3], attrs, residual=False).startswith(("ref", "unsupported"))
 
 
 def _run_with_tactic(model, *, fuse=True, winograd="timed"):
@@ -77,7 +78,9 @@ def test_extension_gives_optimised_kernels():
 @pytest.mark.parametrize("winograd", ["always", "never", "timed"])
 def test_winograd_algorithm_matches_onnxruntime(winograd):
     """The conv algorithm choice: Winograd where oneDNN has it (3x3, stride 1), direct
-    otherwise; every choice gives onnxruntime's answer, and timed choices show both times."""
+    otherwise; every choice gives onnxruntime's answer, and timed choices show both times.
+    Where this CPU has no Winograd kernel (AVX2), every layer stays direct, nothing is timed,
+    and ``always`` records why for every 3x3 layer."""
     err, layers = _run_with_tactic(zoo.googlenet(seed=3, blocks=2), winograd=winograd)
     assert err <= RTOL
     convs = [c for c in layers if c.tactic == "onednn"]
@@ -86,18 +89,19 @@ def test_winograd_algorithm_matches_onnxruntime(winograd):
     assert three, "the net has 3x3 convs"
     if winograd == "never":
         assert not wino and not any(c.timing for c in convs)
-    elif winograd == "always":
-        # 3x3 stride-1 convs: Winograd where this CPU has the kernel (oneDNN 2.6: AVX-512 only),
-        # else direct with the reason recorded
-        candidates = [c for c in convs if c.timing]
-        assert candidates and {c.layer for c in candidates} <= {c.layer for c in three}
-        if _has_winograd():
-            assert wino and all(c.timing == "winograd (always)" for c in wino)
+    elif not _winograd_here():
+        assert not wino, [c.kernel for c in wino]
+        other = [c for c in convs if c.timing and not c.timing.startswith(NO_WINOGRAD)]
+        assert not other, [c.timing for c in other]
+        if winograd == "always":  # the 3x3 layers say why they stay direct
+            assert {c.layer for c in convs if c.timing} and {c.layer for c in convs if c.timing} <= {c.layer for c in three}
         else:
-            assert not wino and all(c.timing.startswith("direct: oneDNN has no Winograd kernel") for c in candidates)
+            assert not any(c.timing for c in convs)
+    elif winograd == "always":
+        assert wino and all(c.timing == "winograd (always)" for c in wino)
     else:
         timed = [c for c in convs if c.timing]
-        assert bool(timed) == _has_winograd(), "layers are timed exactly where a Winograd kernel exists"
+        assert timed, "layers are timed where a Winograd kernel exists"
         assert all(c.timing.startswith("direct ") and " ms, winograd " in c.timing for c in timed)
         assert {c.layer for c in timed} <= {c.layer for c in three}
         assert all("wino" in c.kernel for c in timed if _winograd_won(c.timing))
@@ -124,13 +128,20 @@ def test_compile_records_the_winograd_mode_and_every_choice(tmp_path, capsys):
         assert main(["compile", str(path), "-o", str(out), "--winograd", mode, "-q"]) == 0
         t = json.loads((out / "manifest.json").read_text())["tactics"]
         assert t["winograd"] == mode
+        assert t["block_width"] == onednn.block_width() in (8, 16)  # the layout between oneDNN calls
         kernels[mode] = [c["kernel"] for c in t["layers"] if c["tactic"] == "onednn"]
         assert rel_err(load(out).run(feeds)["output"], expected) <= RTOL
     assert not any("wino" in k for k in kernels["never"])
-    assert any("wino" in k for k in kernels["always"]) == _has_winograd()
+    if _winograd_here():
+        assert any("wino" in k for k in kernels["always"])
+    else:  # no Winograd kernel on this CPU: direct, and the 3x3 layers say why
+        assert not any("wino" in k for k in kernels["always"]) and kernels["always"] == kernels["never"]
+        t = json.loads((tmp_path / "always" / "manifest.json").read_text())["tactics"]
+        assert any(c["timing"].startswith(NO_WINOGRAD) for c in t["layers"])
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "always")]) == 0
-    assert "Winograd: always" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "Winograd: always" in shown and f"layout {onednn.layout_name(onednn.block_width())} between" in shown
     with pytest.raises(SystemExit) as e:
         main(["compile", str(path), "-o", str(tmp_path / "bad"), "--winograd", "sometimes"])
     assert e.value.code == 2
@@ -166,9 +177,18 @@ def test_a_conv_result_combined_with_itself_stays_correct(op):
 
 @needs_onednn
 def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length():
-    direct = ConvAttrs.make(strides=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1), groups=1, act="relu")
-    other = direct.replace(act=ACTIVATIONS["silu"])  # an algorithm every CPU has: the act differs
-    times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, other, residual=False)
+    width = onednn.block_width()
+    direct = ConvAttrs.make(strides=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1), groups=1, act="relu").replace(
+        src_block=width, dst_block=width
+    )
+    if _winograd_here():
+        times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct.replace(algorithm=1), residual=False)
+        assert len(times) == 2 and all(t > 0 for t in times), times
+    else:  # no Winograd kernel on this CPU: timing one is refused with oneDNN's reason
+        with pytest.raises(Exception, match="oneDNN failed"):
+            onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct.replace(algorithm=1), residual=False)
+    plain = direct.replace(src_block=0, dst_block=0, act=ACTIVATIONS["silu"])  # every CPU has it
+    times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, plain, residual=False)
     assert len(times) == 2 and all(t > 0 for t in times), times
     n = len(ConvAttrs.names())
     with pytest.raises(Exception, match=f"attrs must have {n} entries"):
@@ -194,12 +214,52 @@ def test_zoo_nets_match_onnxruntime(builder, kind):
 
 @needs_onednn
 def test_tensors_between_onednn_layers_stay_blocked():
-    """ResNet bottlenecks: conv -> conv edges (and residuals) in nChw16c, no reorder between."""
+    """ResNet bottlenecks: conv -> conv edges (and residuals) in the blocked layout of this
+    CPU's kernels (nChw16c with AVX-512, nChw8c with AVX2), no reorder between."""
+    width = onednn.block_width()
+    assert width in (8, 16), "oneDNN has blocked kernels on every x86-64 CPU with SSE4.1"
+    blocked = onednn.layout_name(width)
     err, layers = _run_with_tactic(zoo.resnet50(seed=8, width=0.25))
     assert err <= RTOL
     layouts = Counter(c.layout for c in layers if c.tactic == "onednn")
-    assert layouts["nChw16c>nChw16c"] >= 8, layouts
-    assert all(c.kernel.startswith(("jit", "brg")) for c in layers if "nChw16c" in c.layout)
+    assert layouts[f"{blocked}>{blocked}"] >= 8, layouts
+    assert all(c.kernel.startswith(("jit", "brg")) for c in layers if blocked in c.layout)
+    assert not any("nChw" in c.layout and blocked not in c.layout for c in layers), layouts
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: zoo.resnet18(seed=21, width=0.25),  # basic blocks, residuals: 16..128 channels
+        lambda: zoo.mobilenet_v2(seed=22),  # depthwise convs, 8/16/24... channels, ReLU6
+        lambda: zoo.densenet121(seed=23, width=0.5, block_config=(2, 2)),  # prologues, concats, pools
+    ],
+    ids=["resnet18", "mobilenet_v2", "densenet121"],
+)
+def test_no_layer_gets_a_reference_kernel_and_blocked_layouts_use_the_block_width(build):
+    """On any CPU (AVX2 here: oneDNN's kernels take nChw8c, and nChw16c only its reference
+    kernel ``ref:any``, a hundred times slower): every oneDNN layer's blocked layout is the
+    library's block width, and no layer records a ``ref:`` kernel as taken."""
+    width = onednn.block_width()
+    assert width in (8, 16), "oneDNN has blocked kernels on every x86-64 CPU with SSE4.1"
+    blocked = onednn.layout_name(width)
+    err, layers = _run_with_tactic(build())
+    assert err <= RTOL
+    taken = [c for c in layers if c.tactic == "onednn"]
+    assert len(taken) >= 8, layers
+    refs = [(c.layer, c.layout, c.kernel) for c in layers if c.kernel.startswith(("ref", "unsupported"))]
+    assert not refs, refs
+    layouts = {part for c in taken if c.layout for part in c.layout.replace(">", ",").split(",")}
+    assert blocked in layouts and layouts <= {blocked, "nchw"}, layouts
+    assert all(c.kernel.startswith(("jit", "brg")) for c in taken if blocked in c.layout), taken
+
+
+@needs_onednn
+def test_attrs_with_an_unknown_block_width_are_refused():
+    attrs = [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0]  # src_block 1: the old flag, not a width
+    with pytest.raises(Exception, match="block width must be 0, 8 or 16, got 1"):
+        onednn.implementation([1, 16, 8, 8], [16, 16, 3, 3], attrs, residual=False)
 
 
 @needs_onednn
@@ -345,16 +405,21 @@ def test_differential_fuzzing_covers_the_tactic_choice_widely(case):
     _differential(case)
 
 
-def test_deploy_refuses_an_artifact_with_a_tactic_library_before_uploading(tmp_path):
+def test_deploy_checks_the_tactic_library_entries_before_uploading(tmp_path):
+    """Deploy uploads an artifact's tactic library (tests/test_onednn_shipping.py); an entry
+    that names no file of the artifact is refused in one line before anything is sent."""
     import shutil
 
-    from tvm_layerfuse.deploy.inputs import check_library
+    from tvm_layerfuse.deploy.inputs import check_library, tactic_entries
 
     shutil.copyfile(sys.executable, tmp_path / "model.so")  # any x86_64 ELF
-    manifest = {"library": "model.so", "target": {"machine": "x86_64"}, "tactics": {"libraries": []}}
+    manifest = {"library": "model.so", "target": {"machine": "x86_64"}, "tactics": {"libraries": []}, "files": {}}
     check_library(tmp_path, manifest)
     manifest["tactics"]["libraries"] = [{"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME]}]
     with pytest.raises(ArtifactError) as e:
         check_library(tmp_path, manifest)
     msg = str(e.value)
-    assert "\n" not in msg and onednn.LIBRARY_FILE in msg and "--tactics tvm" in msg and "nothing was uploaded" in msg
+    assert "\n" not in msg and onednn.LIBRARY_FILE in msg and "re-run `compile`" in msg
+    manifest["files"][onednn.LIBRARY_FILE] = "0" * 64
+    check_library(tmp_path, manifest)  # shipped with the artifact: uploaded with it
+    assert [e["file"] for e in tactic_entries(tmp_path, manifest)] == [onednn.LIBRARY_FILE]

@@ -78,8 +78,9 @@ def test_residual_chain_writes_into_the_residual_and_matches_onnxruntime():
     assert storages < tensors, f"{storages} storages for {tensors} tensors: no reuse, the aliasing goes unchecked"
 
 
-def _residual_read_later(case: str, *, seed: int = 5):
-    """t = relu(conv1(x)) (24 channels: plain, no shared blocked copy); y = relu(conv2(u) + t)
+def _residual_read_later(case: str, *, seed: int = 5, channels: int = 24):
+    """t = relu(conv1(x)) (24 channels, not a multiple of the block width 16 (12 with block
+    width 8): plain, no shared blocked copy); y = relu(conv2(u) + t)
     with u = t (``case`` "operand": the conv reads its residual) or u = relu(conv1b(x));
     out = relu(conv3(t) + y): conv3 reads t after the first add, which keeps its copy of t;
     y's last reader is the second add (in place). "output": conv3 reads u, and t is a model
@@ -87,15 +88,15 @@ def _residual_read_later(case: str, *, seed: int = 5):
     b = NetBuilder(f"resid_{case}", seed=seed)
     x = b.input("input", (1, 16, 12, 12))
     with b.scope("c1"):
-        t = b.relu(b.conv(x, 24, 3, pad=1))
+        t = b.relu(b.conv(x, channels, 3, pad=1))
     u = t
     if case != "operand":
         with b.scope("c1b"):
-            u = b.relu(b.conv(x, 24, 1))
+            u = b.relu(b.conv(x, channels, 1))
     with b.scope("c2"):
-        y = b.relu(b.add(b.conv(u, 24, 3, pad=1), t))
+        y = b.relu(b.add(b.conv(u, channels, 3, pad=1), t))
     with b.scope("c3"):
-        z = b.relu(b.add(b.conv(u if case == "output" else t, 24, 1), y))
+        z = b.relu(b.add(b.conv(u if case == "output" else t, channels, 1), y))
     return b.build({"output": z, "t": t} if case == "output" else {"output": z})
 
 
@@ -108,38 +109,41 @@ KEPT = {
 
 @pytest.mark.parametrize("case", sorted(KEPT))
 def test_residual_read_later_keeps_the_copy(case):
-    mod, chooser, code = _compile_and_compare(_residual_read_later(case))
+    channels = 24 if onednn.block_width() == 16 else 12  # not a multiple of the block width
+    mod, chooser, code = _compile_and_compare(_residual_read_later(case, channels=channels))
     choices = [c for _, c in chooser.residuals]
     assert sorted(choices)[0] == "in-place" and len(choices) == 2, choices
     assert KEPT[case] in sorted(choices)[1], choices
     assert len(_inplace_calls(mod)) == 1
     assert code.count("call  layerfuse.onednn.conv2d_add ") == 1  # the copying call is still there
     # bytes written (compile report, bench_tactics --bytes): the copy of r counts, in place nothing extra
-    tensor_bytes = 1 * 24 * 12 * 12 * 4
+    tensor_bytes = 1 * channels * 12 * 12 * 4
     (inplace,) = _inplace_calls(mod)
     assert library_writes(inplace) == LibraryWrites(computed=tensor_bytes, copied=0, scratch=0, residual=0)
     residual_copies = [library_writes(b.value).residual for b in mod["main"].body.blocks[0].bindings if library_writes(b.value)]
     assert sorted(r for r in residual_copies if r) == [tensor_bytes]
 
 
-def _odd_channels_net(seed: int = 9):
-    """MobileNet-V2-like, channels not multiples of 16: t = relu(conv(x)) 24 ch; an inverted
-    residual on t (expand 24->48, depthwise, project 48->24 + t); sigmoid(conv) 40 ch; a 1x1
-    down to 8 ch (C < 16: stays plain); relu(conv) 32 ch; global average; classifier."""
+def _odd_channels_net(seed: int = 9, block: int = 16):
+    """MobileNet-V2-like, channels not multiples of the block width B (16; with B = 8 every
+    count below halved): t = relu(conv(x)) 24 ch; an inverted residual on t (expand 24->48,
+    depthwise, project 48->24 + t); sigmoid(conv) 40 ch; a 1x1 down to 8 ch (C < B: stays
+    plain); relu(conv) 32 ch; global average; classifier."""
     b = NetBuilder("odd_channels", seed=seed)
     x = b.input("input", (1, 16, 14, 14))
+    k = block // 8  # 24 * k // 2: 24 channels with B = 16, 12 with B = 8
     with b.scope("c1"):
-        t = b.relu(b.conv(x, 24, 3, pad=1))
+        t = b.relu(b.conv(x, 12 * k, 3, pad=1))
     with b.scope("expand"):
-        y = b.clip(b.conv(t, 48, 1))
+        y = b.clip(b.conv(t, 24 * k, 1))
     with b.scope("dw"):
-        y = b.clip(b.conv(y, 48, 3, pad=1, groups=48))
+        y = b.clip(b.conv(y, 24 * k, 3, pad=1, groups=24 * k))
     with b.scope("project"):
-        y = b.add(b.conv(y, 24, 1), t)
+        y = b.add(b.conv(y, 12 * k, 1), t)
     with b.scope("c3"):
-        y = b.sigmoid(b.conv(y, 40, 3, pad=1))
+        y = b.sigmoid(b.conv(y, 20 * k, 3, pad=1))
     with b.scope("c4"):
-        y = b.conv(y, 8, 1)
+        y = b.conv(y, 4 * k, 1)
     with b.scope("c5"):
         y = b.relu(b.conv(y, 32, 3, pad=1))
     y = b.flatten(b.global_avgpool(y))
@@ -149,19 +153,24 @@ def _odd_channels_net(seed: int = 9):
 
 
 def test_channels_not_a_multiple_of_16_stay_blocked_padded():
-    """Tensors of 24 and 40 channels between oneDNN convs keep padded nChw16c (no reorder in
-    any call: every conv reads and writes blocked bytes); 8 channels stay plain (padding
-    would double the reading conv's work); the residual of 24 channels is still in place."""
-    mod, chooser, code = _compile_and_compare(_odd_channels_net())
+    """Tensors of 24 and 40 channels (12 and 20 with the block width B = 8) between oneDNN
+    convs keep padded nChwBc (no reorder in any call: every conv reads and writes blocked
+    bytes); 8 channels (4) stay plain (padding would double the reading conv's work); the
+    residual of 24 (12) channels is still in place."""
+    block = onednn.block_width()
+    assert block in (8, 16), block
+    k = block // 8
+    mod, chooser, code = _compile_and_compare(_odd_channels_net(block=block))
     convs = [c for c in chooser.layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:"))]
+    b = onednn.layout_name(block)
     assert [c.layout for c in convs] == [
-        "nchw>nChw16c",  # the model input is plain
-        "nChw16c>nChw16c",  # expand: 24 (padded to 32) -> 48
-        "nChw16c>nChw16c",  # depthwise
-        "nChw16c>nChw16c",  # project + residual: 48 -> 24 (padded)
-        "nChw16c>nChw16c",  # sigmoid conv -> 40 (padded to 48)
-        "nChw16c>nchw",  # -> 8 channels: plain
-        "nchw>nChw16c",
+        f"nchw>{b}",  # the model input is plain
+        f"{b}>{b}",  # expand: 24 (padded to 32) -> 48
+        f"{b}>{b}",  # depthwise
+        f"{b}>{b}",  # project + residual: 48 -> 24 (padded)
+        f"{b}>{b}",  # sigmoid conv -> 40 (padded to 48)
+        f"{b}>nchw",  # -> 8 channels: plain
+        f"nchw>{b}",
     ], [(c.layer, c.layout) for c in convs]
     assert all(c.kernel.startswith(("jit", "brg")) for c in convs), [(c.layer, c.kernel) for c in convs]
     assert [c for _, c in chooser.residuals] == ["in-place"] and len(_inplace_calls(mod)) == 1
@@ -172,7 +181,7 @@ def test_channels_not_a_multiple_of_16_stay_blocked_padded():
             args = list(v.args[1].fields)
             if len(args) >= 4 and len(b.var.ty.shape) == 4:
                 out_channels[int(args[1].ty.shape[0])] = int(b.var.ty.shape[1])
-    assert out_channels[24] == 32 and out_channels[40] == 48 and out_channels[8] == 8, out_channels
+    assert out_channels[12 * k] == 16 * k and out_channels[20 * k] == 24 * k and out_channels[4 * k] == 4 * k, out_channels
     assert "to_blocked" not in code
 
 

@@ -17,25 +17,28 @@ from tvm_layerfuse.compile.tactics import abi, onednn
 from tvm_layerfuse.compile.tactics.onednn_inplace import INPLACE_WRAPPER, concats_in_place, residuals_in_place
 from tvm_layerfuse.compile.tactics.onednn_layout import assign_layouts, merge_splits
 from tvm_layerfuse.compile.tactics.oracle import use_oracle
-from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
+from tvm_layerfuse.compile.tactics.use_onednn import NO_WINOGRAD, UseOneDNNConv
 
 # ConvAttrs of a 1x1 / 3x3 conv with relu: (strides, pads t l b r, dilations, groups, act,
-# src_blocked, dst_blocked, alpha, beta, algorithm, layer)
-assert abi.ConvAttrs.names()[10:12] == ("src_blocked", "dst_blocked") and len(abi.ConvAttrs.names()) == 16
+# src_block, dst_block, alpha, beta, algorithm, layer); the oracle's CPU has 16-channel blocks
+assert abi.ConvAttrs.names()[10:12] == ("src_block", "dst_block") and len(abi.ConvAttrs.names()) == 16
 
 
 class Oracle:
-    """The library's answers without the library: every layer gets an optimised kernel named
-    after its layout flags, and Winograd is never there."""
+    """The library's answers without the library: an AVX-512 CPU (16-channel blocks), every
+    layer gets an optimised kernel named after its layouts, and Winograd is never there."""
 
     def __init__(self) -> None:
         self.asked: list = []
+
+    def block_width(self):
+        return 16
 
     def conv_kernel(self, x_shape, w_shape, attrs, *, residual):
         self.asked.append(("conv", tuple(x_shape), tuple(w_shape), attrs))
         if attrs.algorithm == 1:
             return "unsupported: no Winograd here"
-        return f"jit:oracle src{attrs.src_blocked} dst{attrs.dst_blocked}"
+        return f"jit:oracle src{attrs.src_block} dst{attrs.dst_block}"
 
     def time_conv(self, x_shape, w_shape, a, b, *, residual):
         raise AssertionError("no timing: Winograd is unsupported")
@@ -179,12 +182,12 @@ class ChainNoResidualExpected:
         with R.dataflow():
             y = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w1, b1, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0])),
+                (x, w1, b1, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 16, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             z = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (y, w2, b2, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1])),
+                (y, w2, b2, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 16, 0, 0, 0, 0, 1])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             R.output(z)
@@ -202,7 +205,7 @@ def test_a_conv_to_conv_edge_is_blocked():
     tvm.ir.assert_structural_equal(after, ChainNoResidualExpected["main"])
     # the report is keyed by the layer id each call carries
     assert [c.layout for c in layers] == ["nchw>nChw16c", "nChw16c>nchw"]
-    assert layers[1].kernel == "jit:oracle src1 dst0"
+    assert layers[1].kernel == "jit:oracle src16 dst0"
 
 
 # --------------------------------------------------------------------------- concat in place
@@ -337,7 +340,7 @@ def test_the_whole_pass_runs_on_an_imported_model_with_the_oracle():
     convs = [c for c in chooser.layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:", "concat:"))]
     # c3 and c4 read the same input: merged into one conv, whose two pieces the concat holds
     assert len(convs) == 4 and sorted(c.id for c in convs) == list(range(len(convs)))
-    assert all(c.timing.startswith("direct: oneDNN has no Winograd kernel") for c in convs if "3, 3]" in c.shape)
+    assert all(c.timing.startswith(NO_WINOGRAD) for c in convs if "3, 3]" in c.shape)
     calls = []
     relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(abi.parse_call(e)) if abi.parse_call(e) else None)
     # c1, c2 with its residual (it reads the residual as its input too: a copy), c3+c4 merged
@@ -357,7 +360,7 @@ class BlockedReadByTVM:
         with R.dataflow():
             y = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w, b, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0])),
+                (x, w, b, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 16, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             z = R.nn.relu(y)
@@ -373,9 +376,12 @@ def test_the_layout_check_finds_blocked_bytes_read_as_plain():
     assert verify_layouts(ConcatExpected) == []
     problems = verify_layouts(BlockedReadByTVM)
     assert problems == ["main: y is nChw16c, read by z (relax.nn.relu) as nchw"]
-    # a conv reading blocked bytes with src_blocked 0 is found as well
-    src_blocked = "1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1"
-    wrong_flag = ChainNoResidualExpected.script().replace(src_blocked, "1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1")
+    # a conv reading blocked bytes with src_block 0 is found as well
+    src_block = "1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 16, 0, 0, 0, 0, 1"
+    wrong_flag = ChainNoResidualExpected.script().replace(src_block, "1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1")
     assert verify_layouts(tvm.script.from_source(wrong_flag)) == ["main: y is nChw16c, read by z (conv2d) as nchw"]
+    # and one reading them as another block width
+    wrong_width = ChainNoResidualExpected.script().replace(src_block, "1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 8, 0, 0, 0, 0, 1")
+    assert verify_layouts(tvm.script.from_source(wrong_width)) == ["main: y is nChw16c, read by z (conv2d) as nChw8c"]
     with pytest.raises(BuildError, match="blocked tensors read as plain"):
         check_layouts(BlockedReadByTVM)

@@ -277,7 +277,9 @@ def cmd_bundle(args: argparse.Namespace) -> int:
     say(
         args,
         f"wrote bundle {out}: runtime {sizes['runtime_bytes'] / 2**20:.1f} MiB + weights "
-        f"{sizes['weights_bytes'] / 2**20:.1f} MiB; run it with: python3 {out}/run.py",
+        f"{sizes['weights_bytes'] / 2**20:.1f} MiB"
+        + (f" + oneDNN {sizes['vendor_bytes'] / 2**20:.1f} MiB" if sizes["vendor_bytes"] else "")
+        + f"; run it with: python3 {out}/run.py",
     )
     return 0
 

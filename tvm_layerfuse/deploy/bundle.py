@@ -189,14 +189,19 @@ def copy_vendor_libraries(manifest: dict, dest: Path, *, machine: str, artifact_
 
 
 def size_of(path: Path) -> dict[str, int]:
-    """Bytes of the runtime part (everything but the weights) and of the weights."""
-    total = weights = 0
+    """Bytes of the runtime part (everything but the weights and the vendor libraries), of the
+    weights, and of the vendor libraries the bundle carries (``libdnnl.so.2``)."""
+    from ..runtime.tactics import VENDOR_LIBRARIES
+
+    total = weights = vendor = 0
     for f in Path(path).rglob("*"):
         if f.is_file():
             total += f.stat().st_size
             if f.name == artifact.PARAMS:
                 weights += f.stat().st_size
-    return {"runtime_bytes": total - weights, "weights_bytes": weights}
+            elif f.name in VENDOR_LIBRARIES:
+                vendor += f.stat().st_size
+    return {"runtime_bytes": total - weights - vendor, "weights_bytes": weights, "vendor_bytes": vendor}
 
 
 def _machine() -> str:

@@ -41,6 +41,7 @@ class TacticPlan:
     note: str = ""  # why oneDNN is not used, when it is not
     version: str = ""  # oneDNN version
     winograd: str = "timed"  # how the conv algorithm was chosen (see use_onednn.WINOGRAD_CHOICES)
+    block_width: int = 0  # the channel block of the blocked layout between oneDNN calls (0 plain, 8, 16)
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(c.tactic for c in self.layers))
@@ -65,6 +66,7 @@ class TacticPlan:
             "note": self.note,
             "onednn_version": self.version,
             "winograd": self.winograd,
+            "block_width": self.block_width,
             "counts": self.counts(),
             "layers": [c.to_dict() for c in self.layers],
             "libraries": libraries,
@@ -127,6 +129,7 @@ def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto"
         note="" if used else "no layer suits oneDNN",
         version=onednn.version(),
         winograd=winograd,
+        block_width=onednn.block_width() if used else 0,
     )
     return mod, plan
 
@@ -140,6 +143,9 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
         head += f", oneDNN {info['onednn_version']}"
     if info.get("winograd") and info.get("used") == "onednn":
         head += f", Winograd: {info['winograd']}"
+    if info.get("used") == "onednn" and "block_width" in info:
+        b = info["block_width"]
+        head += f", layout {'nChw%dc' % b if b else 'nchw (no blocked kernels on this CPU)'} between oneDNN calls"
     if info.get("note"):
         head += f"; {info['note']}"
     lines = [head]

@@ -27,7 +27,7 @@ conv2d                  input, weight, bias, attrs                      -> out_1
 conv2d_add              input, weight, bias, residual, attrs            -> out
 conv2d_pre              inputs*, scale, shift, weight, bias, attrs      -> out_1 .. out_k
 conv2d_add_inplace      input, weight, bias, residual, *attrs (TIR: the attrs as integers)
-to_blocked              input                                           -> out
+to_blocked              input, attrs                                    -> out
 concat                  inputs*                                         -> out
 concat_convs            spec, members* (each member: its call's own arguments)  -> out
 pool2d                  input, attrs                                    -> out
@@ -42,10 +42,34 @@ import struct
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
-ABI_VERSION = 2  # 1: the positional contract before this module; 2: concat_convs members carry their argument count
+ABI_VERSION = 3  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
+# 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,)
 
 NAMESPACE = "layerfuse.onednn."
-BLOCK = 16  # channels per block of nChw16c
+BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
+DST_BLOCK_BITS = 5  # a conv's dst_block: output j's block width in bits [5j, 5j + 5)
+MAX_BLOCKED_OUTPUTS = 64 // DST_BLOCK_BITS - 1  # 11: outputs beyond stay plain
+
+
+def dst_block(widths: Sequence[int]) -> int:
+    """A conv's ``dst_block`` attr: output j's block width (0 plain, 8, 16) in its bits
+    ``[5j, 5j + 5)``; one output: its width."""
+    return sum(int(w) << (DST_BLOCK_BITS * j) for j, w in enumerate(widths) if j <= MAX_BLOCKED_OUTPUTS)
+
+
+def dst_block_of(flags: int, j: int) -> int:
+    """Output j's block width in a conv's ``dst_block`` attr (see :func:`dst_block`)."""
+    return (int(flags) >> (DST_BLOCK_BITS * j)) & ((1 << DST_BLOCK_BITS) - 1) if j <= MAX_BLOCKED_OUTPUTS else 0
+
+
+def layout_name(width: int) -> str:
+    """``nchw`` for 0, ``nChw8c`` / ``nChw16c`` for a block width."""
+    return f"nChw{int(width)}c" if width else "nchw"
+
+
+def _check_width(what: str, width: int) -> None:
+    if width not in BLOCK_WIDTHS:
+        raise AbiError(f"{what}: a block width is 0, 8 or 16, got {width}")
 
 
 def float_bits(value: float) -> int:
@@ -125,8 +149,8 @@ class ConvAttrs(_Record):
     dilation_w: int = 1
     groups: int = 1
     act: int = 0  # ACTIVATIONS
-    src_blocked: int = 0  # the input's bytes are nChw16c
-    dst_blocked: int = 0  # bit j: output j's bytes are nChw16c
+    src_block: int = 0  # the input's block width (BLOCK_WIDTHS: 0 plain, 8 nChw8c, 16 nChw16c)
+    dst_block: int = 0  # output j's block width in bits [5j, 5j + 5) (dst_block(), dst_block_of())
     alpha_bits: int = 0  # float32 bits
     beta_bits: int = 0
     algorithm: int = 0  # 0 direct, 1 Winograd
@@ -167,9 +191,15 @@ class ConvAttrs(_Record):
             raise AbiError(f"unknown conv algorithm {self.algorithm}")
         if self.layer < 0:
             raise AbiError(f"a layer id is >= 0, got {self.layer}")
+        _check_width("conv attrs' src_block", self.src_block)
+        if self.dst_block < 0:
+            raise AbiError(f"conv attrs' dst_block is >= 0, got {self.dst_block}")
+        for j in range(MAX_BLOCKED_OUTPUTS + 1):
+            _check_width(f"conv attrs' dst_block (output {j})", self.dst_block_of(j))
 
-    def dst_bit(self, j: int) -> int:
-        return (self.dst_blocked >> j) & 1
+    def dst_block_of(self, j: int) -> int:
+        """Output j's block width (0 plain)."""
+        return dst_block_of(self.dst_block, j)
 
 
 POOL_ALGORITHMS = {"max": 0, "avg_include_pad": 1, "avg": 2}
@@ -177,7 +207,8 @@ POOL_ALGORITHMS = {"max": 0, "avg_include_pad": 1, "avg": 2}
 
 @dataclass(frozen=True)
 class PoolAttrs(_Record):
-    """A pooling layer's attrs (``alg``: :data:`POOL_ALGORITHMS`); src and dst share ``blocked``."""
+    """A pooling layer's attrs (``alg``: :data:`POOL_ALGORITHMS`); src and dst share the block
+    width ``block`` (0 plain)."""
 
     alg: int
     kernel_h: int
@@ -188,13 +219,26 @@ class PoolAttrs(_Record):
     pad_left: int
     pad_bottom: int
     pad_right: int
-    blocked: int = 0
+    block: int = 0
 
     def check(self) -> None:
         if self.alg not in POOL_ALGORITHMS.values():
             raise AbiError(f"unknown pooling algorithm {self.alg}")
         if min(self.kernel_h, self.kernel_w, self.stride_h, self.stride_w) < 1:
             raise AbiError(f"pool attrs need kernel sizes and strides >= 1: {self}")
+        _check_width("pool attrs' block", self.block)
+
+
+@dataclass(frozen=True)
+class ToBlockedAttrs(_Record):
+    """``to_blocked``'s attrs: the block width its output is written in (8 or 16)."""
+
+    block: int
+
+    def check(self) -> None:
+        if self.block == 0:
+            raise AbiError("to_blocked's block is 8 or 16, got 0")
+        _check_width("to_blocked's block", self.block)
 
 
 # members of concat_convs: how each piece of the block is made
@@ -214,15 +258,16 @@ class Member:
 @dataclass(frozen=True)
 class ConcatSpec:
     """``concat_convs``'s spec: the block's layout and its members, as
-    ``(blocked, kind_1, offset_1, nargs_1, ..., kind_k, offset_k, nargs_k)``."""
+    ``(block, kind_1, offset_1, nargs_1, ..., kind_k, offset_k, nargs_k)`` (``block``: the
+    block's width, 0 plain)."""
 
-    blocked: int
+    block: int
     members: tuple[Member, ...] = ()
 
-    FIELDS = ("kind", "offset", "nargs")  # per member, in this order after ``blocked``
+    FIELDS = ("kind", "offset", "nargs")  # per member, in this order after ``block``
 
     def values(self) -> list[int]:
-        return [int(self.blocked)] + [int(getattr(m, f)) for m in self.members for f in self.FIELDS]
+        return [int(self.block)] + [int(getattr(m, f)) for m in self.members for f in self.FIELDS]
 
     def to_shape(self):
         from tvm import relax
@@ -239,6 +284,7 @@ class ConcatSpec:
         for m in members:
             if m.kind not in (COPY, CONV, CONV_PRE, CONV_ADD) or m.offset < 0 or m.nargs < 1:
                 raise AbiError(f"bad concat_convs member {m}")
+        _check_width("concat_convs' block", values[0])
         return cls(values[0], members)
 
 
@@ -268,7 +314,7 @@ class LibraryCall:
 
     ``roles``: its arguments in call order (``inputs*`` variadic, at most one variadic role);
     ``attrs``: the record its ``attrs`` role holds; ``accepts`` / ``produces``: the layouts its
-    data inputs and its outputs may have (``nChw16c`` only where the attrs' flags say so);
+    data inputs and its outputs may have (``nChwBc`` only where the attrs' widths say so);
     ``member``: its member kind in ``concat_convs`` (it can write into a region of a block),
     else None; ``pieces``: it may have several outputs (a merged conv's split pieces)."""
 
@@ -322,7 +368,7 @@ class LibraryCall:
         return None if self.attrs is None or shape is None else self.attrs.from_shape(shape)
 
 
-_EITHER = ("nchw", "nChw16c")  # plain, or blocked where the attrs' flags say so
+_EITHER = ("nchw", "nChwBc")  # plain, or blocked (B: the width the attrs say)
 CONV2D = LibraryCall("conv2d", ("input", "weight", "bias", "attrs"), ConvAttrs, _EITHER, _EITHER, member=CONV, pieces=True, conv=True)
 CONV2D_ADD = LibraryCall(
     "conv2d_add", ("input", "weight", "bias", "residual", "attrs"), ConvAttrs, _EITHER, _EITHER, member=CONV_ADD, conv=True
@@ -333,7 +379,7 @@ CONV2D_PRE = LibraryCall(
 )
 # called from TIR (a residual conv in place), its attrs as integer arguments after these
 CONV2D_ADD_INPLACE = LibraryCall("conv2d_add_inplace", ("input", "weight", "bias", "residual"), ConvAttrs, _EITHER, _EITHER)
-TO_BLOCKED = LibraryCall("to_blocked", ("input",), None, ("nchw",), ("nChw16c",))
+TO_BLOCKED = LibraryCall("to_blocked", ("input", "attrs"), ToBlockedAttrs, ("nchw",), ("nChwBc",))
 CONCAT = LibraryCall("concat", ("inputs*",), None, _EITHER, _EITHER)
 CONCAT_CONVS = LibraryCall("concat_convs", ("attrs", "members*"), ConcatSpec, _EITHER, _EITHER)
 POOL2D = LibraryCall("pool2d", ("input", "attrs"), PoolAttrs, _EITHER, _EITHER)
@@ -407,14 +453,14 @@ def _bind_members(args: list) -> Args:
 _COPY_MEMBER = LibraryCall("copy", ("input",))  # a concat_convs piece that is copied (not a library function)
 
 
-def concat_convs(blocked: int, pieces: Sequence[tuple[int, Bound]]) -> Bound:
+def concat_convs(block: int, pieces: Sequence[tuple[int, Bound]]) -> Bound:
     """A ``concat_convs`` call from its pieces ``(offset, member call)`` (copies: a Bound of
     :data:`COPY_MEMBER` over the piece)."""
     members = []
     for offset, b in pieces:
         kind = COPY if b.call is _COPY_MEMBER else b.call.member
         members.append((Member(kind, int(offset), len(b.flat())), b))
-    spec = ConcatSpec(int(blocked), tuple(m for m, _ in members))
+    spec = ConcatSpec(int(block), tuple(m for m, _ in members))
     return Bound(CONCAT_CONVS, Args(attrs=spec.to_shape(), members=tuple(members)), spec)
 
 
@@ -534,6 +580,7 @@ def records() -> dict[str, tuple[str, tuple[str, ...]]]:
     return {
         "ConvField": ("", ConvAttrs.names()),
         "PoolField": ("", PoolAttrs.names()),
+        "ToBlockedField": ("", ToBlockedAttrs.names()),
         "MemberField": ("", ConcatSpec.FIELDS),
         "Activation": ("", tuple(ACTIVATIONS)),
         "Conv2dArg": ("conv2d_", CONV2D.roles),
@@ -594,6 +641,13 @@ __all__ = [
     "POOL_ALGORITHMS",
     "PoolAttrs",
     "TO_BLOCKED",
+    "ToBlockedAttrs",
+    "BLOCK_WIDTHS",
+    "DST_BLOCK_BITS",
+    "MAX_BLOCKED_OUTPUTS",
+    "dst_block",
+    "dst_block_of",
+    "layout_name",
     "bind",
     "concat_convs",
     "copy_member",

@@ -15,9 +15,9 @@ class LayerChoice:
     layer: str  # the fused function (or the bound variable of a bare conv)
     tactic: str  # "onednn" | "tvm"
     kernel: str = ""  # oneDNN's implementation name when "onednn"
-    reason: str = ""  # why not oneDNN, when "tvm"
+    reason: str = ""  # why not oneDNN, when "tvm"; why a plain layout, when "onednn"
     shape: str = ""  # "x[1,64,56,56] w[64,64,3,3]"
-    layout: str = ""  # "nchw>nChw16c": the src and dst bytes in the graph, when "onednn"
+    layout: str = ""  # "nchw>nChw16c" (or nChw8c): the src and dst bytes in the graph, when "onednn"
     timing: str = ""  # "direct 5.84 ms, winograd 2.15 ms": the algorithm choice, when timed
     id: int = -1  # the layer id its library calls carry (abi.ConvAttrs.layer), when "onednn"
 

@@ -10,6 +10,9 @@
     time_conv(...)            a conv layer's time here under two attrs (the algorithm choice)
     pool_implementation(...)  the same for a pooling layer
     float_bits(v)             a float32's bits as an integer (how attrs carry alpha and beta)
+    block_width()             the channel block of oneDNN's optimised kernels here: 16
+                              (nChw16c, AVX-512), 8 (nChw8c, AVX2 / AVX / SSE4.1), 0 (plain)
+    dst_block(widths)         a conv's ``dst_block`` attr from its outputs' block widths
 
 Where oneDNN comes from (the first that has it; see :func:`find`):
 
@@ -227,6 +230,27 @@ def version() -> str:
 def _values(attrs) -> list[int]:
     """An attrs record (or already its values) as the integers the library reads."""
     return attrs.values() if hasattr(attrs, "values") and callable(attrs.values) else [int(v) for v in attrs]
+
+
+@lru_cache(maxsize=1)
+def block_width() -> int:
+    """The channel block width of the blocked layout oneDNN's optimised conv and pool kernels
+    take on this CPU (asked of the library: ``dnnl::get_effective_cpu_isa``): 16 (``nChw16c``)
+    where it runs its AVX-512 kernels (avx512_core), 8 (``nChw8c``) with AVX2, AVX or SSE4.1,
+    0 below (plain layouts only). Every blocked call's attrs carry it, so the library never
+    guesses it and an artifact's bytes mean the same wherever it runs."""
+    import tvm_ffi
+
+    load()
+    return int(tvm_ffi.get_global_func("layerfuse.onednn.block_width")())
+
+
+# the block widths in attrs: the contract's (abi.py)
+DST_BLOCK_BITS = abi.DST_BLOCK_BITS
+MAX_BLOCKED_OUTPUTS = abi.MAX_BLOCKED_OUTPUTS
+dst_block = abi.dst_block
+dst_block_of = abi.dst_block_of
+layout_name = abi.layout_name
 
 
 def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool) -> str:

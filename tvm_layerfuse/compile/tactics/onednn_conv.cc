@@ -20,21 +20,27 @@
 //
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
 //   attrs: enum ConvField below (abi.ConvAttrs): strides, paddings (top, left, bottom, right),
-//   dilations, groups, act, src_blocked, dst_blocked, alpha, beta, algorithm; act: enum
+//   dilations, groups, act, src_block, dst_block, alpha, beta, algorithm, layer; act: enum
 //   Activation (abi.ACTIVATIONS), its post-ops in kActivations: relu (alpha: negative slope,
 //   i.e. LeakyRelu), clip [alpha, beta], silu, sigmoid, hardswish, hardsigmoid (alpha * x +
 //   beta clipped to [0, 1]), gelu (erf or tanh); alpha and beta are the bits of a float32;
-//   dst_blocked is a bit mask, bit j for out_j; algorithm: 0 direct, 1 Winograd (oneDNN's
-//   F(4x4, 3x3) or F(2x2, 3x3) kernels: 3x3, stride 1, fewer multiplies, chosen per layer by
-//   timing at compile time); layer: the layer's id in its module, assigned at compile time.
-//   Strides, dilations and groups below 1 are refused.
+//   src_block is x's block width B (0 plain NCHW, 8 nChw8c, 16 nChw16c, see Layouts),
+//   dst_block packs out_j's width in its bits [5j, 5j + 5) (one output: dst_block is its
+//   width); algorithm: 0 direct, 1 Winograd (oneDNN's F(4x4, 3x3) or F(2x2, 3x3) kernels:
+//   3x3, stride 1, fewer multiplies, chosen per layer by timing at compile time); layer: the
+//   layer's id in its module, assigned at compile time. Strides, dilations and groups below 1
+//   and block widths other than 0, 8, 16 are refused.
 //   The BatchNorm of the layer is already folded into w and b.
 //
 // Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
-// layers of this library, and C % 16 == 0 - oneDNN's blocked nChw16c (same size, same
-// [N, C, H, W] type for TVM, which never reads it): src_blocked / dst_blocked say which.
-// A conv's blocked src or (single) dst may also have C % 16 != 0: its type is then
-// [N, ceil16(C), H, W], the padded nChw16c bytes, and C / O come from the weights.
+// layers of this library, and C % B == 0 - oneDNN's blocked nChwBc (same size, same
+// [N, C, H, W] type for TVM, which never reads it): src_block / dst_block say which. The
+// block width B is the one oneDNN's optimised kernels use on the CPU the model is compiled
+// for (block_width(): 16 with AVX-512, 8 with AVX2 or SSE4.1, where nChw16c gets only the
+// reference kernel); the compiler writes it into every call, so this library never guesses
+// it and an artifact's bytes mean the same wherever it runs.
+// A conv's blocked src or (single) dst may also have C % B != 0: its type is then
+// [N, ceilB(C), H, W], the padded nChwBc bytes, and C / O come from the weights.
 // A plain src or dst is reordered to/from the layout the primitive prefers (blocked, where
 // oneDNN's JIT kernels run with their post-ops fused) in buffers kept with the layer; a
 // blocked one is used in place, so consecutive convs run with no reorder between them.
@@ -45,22 +51,25 @@
 // sampled values) is compared on every call, so new weights at the same address are
 // reordered again instead of being used stale.
 //
-//   layerfuse.onednn.to_blocked  (x, out)        out = x in nChw16c (see Layouts)
+//   layerfuse.onednn.to_blocked  (x, (B,), out)  out = x in nChwBc (see Layouts)
 //   layerfuse.onednn.concat      (x_1, ..., x_k, out)   channel concat: per image, piece i is
 //       the contiguous range [c_i * H * W, (c_i + C_i) * H * W) of out - in NCHW, and in
-//       nChw16c too when every c_i and C_i is a multiple of 16 (all pieces in one layout)
+//       nChwBc too when every c_i and C_i is a multiple of B (all pieces in one layout)
 //   layerfuse.onednn.concat_convs (spec, a_1, ..., a_m, out)   a concat (batch 1) whose pieces
 //       are convs (and copies) writing their channel ranges of out directly (see ConcatConvs;
 //       spec: abi.ConcatSpec, each member with its kind, offset and argument count)
 //   layerfuse.onednn.dense       (x, w, b, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
 //   layerfuse.onednn.pool2d      (x, attrs, out)
-//       attrs: enum PoolField (abi.PoolAttrs: alg, kernel, strides, paddings, blocked); alg: 0 max, 1 average counting the padding, 2 average over the input
+//       attrs: enum PoolField (abi.PoolAttrs: alg, kernel, strides, paddings, block); alg: 0 max,
+//       1 average counting the padding, 2 average over the input
 //       elements only; out's size decides the right/bottom padding oneDNN adds (ceil_mode);
-//       x and out both in nChw16c when blocked, else both NCHW
+//       x and out both in nChwBc when block = B != 0, else both NCHW
 //
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
-//       "jit:avx512_core" or "jit_1x1:avx512_core"; the compiler refuses "ref:" kernels.
+//       "jit:avx512_core" or "jit_1x1:avx2"; the compiler refuses "ref:" kernels.
+//   layerfuse.onednn.block_width() -> int   B for this CPU: 16 where oneDNN runs its AVX-512
+//       kernels (avx512_core), 8 with AVX2 / AVX / SSE4.1, 0 (plain layouts only) below
 //   layerfuse.onednn.time_conv(x_shape, w_shape, attrs_a, attrs_b, residual, reps) -> [ms_a, ms_b]
 //       that layer's time here under two attrs, fastest of reps interleaved runs each
 //       (for the algorithm choice)
@@ -116,19 +125,21 @@ float FloatBits(int64_t v) {
 // The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
 // below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
 // together and raise kAbiVersion with abi.ABI_VERSION.
-constexpr int64_t kAbiVersion = 2;
+constexpr int64_t kAbiVersion = 3;
 
 // ConvAttrs: a conv's attrs
 enum ConvField : int {
   kStrideH, kStrideW, kPadTop, kPadLeft, kPadBottom, kPadRight, kDilationH, kDilationW, kGroups, kAct,
-  kSrcBlocked, kDstBlocked, kAlphaBits, kBetaBits, kAlgorithm, kLayer, kConvFieldCount
+  kSrcBlock, kDstBlock, kAlphaBits, kBetaBits, kAlgorithm, kLayer, kConvFieldCount
 };
 // PoolAttrs: a pool's attrs
 enum PoolField : int {
   kAlg, kKernelH, kKernelW, kPoolStrideH, kPoolStrideW, kPoolPadTop, kPoolPadLeft, kPoolPadBottom, kPoolPadRight,
-  kBlocked, kPoolFieldCount
+  kPoolBlock, kPoolFieldCount
 };
-// ConcatSpec: (blocked, then per member these fields)
+// ToBlockedAttrs: to_blocked's attrs
+enum ToBlockedField : int { kBlock, kToBlockedFieldCount };
+// ConcatSpec: (block, then per member these fields)
 enum MemberField : int { kKind, kOffset, kNargs, kMemberFieldCount };
 // the arguments of conv2d (abi.CONV2D.roles; its outputs follow) and of conv2d_add_inplace
 // (abi.CONV2D_ADD_INPLACE.roles; the attrs follow as integers)
@@ -139,8 +150,26 @@ enum Activation : int {
   kNone, kRelu, kClip, kSilu, kSigmoid, kHardswish, kHardsigmoid, kGeluErf, kGeluTanh, kActivationCount
 };
 
+// The block width of a blocked layout: 8 (nChw8c) or 16 (nChw16c); 0 is plain NCHW.
+void CheckBlock(int64_t block) {
+  if (block != 0 && block != 8 && block != 16)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: block width must be 0, 8 or 16, got " << block;
+}
+
+tag Blocked(int64_t block) {
+  CheckBlock(block);
+  return block == 16 ? tag::nChw16c : tag::nChw8c;
+}
+
+// out_j's block width from a conv's dst_block (abi.DST_BLOCK_BITS = 5 bits per output)
+int64_t DstBlock(int64_t dst_block, size_t j) {
+  const int64_t block = j < 12 ? (dst_block >> (5 * j)) & 31 : 0;
+  CheckBlock(block);
+  return block;
+}
+
 struct Attrs {
-  int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_blocked, dst_blocked;
+  int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_block, dst_block;
   float alpha, beta;
   int64_t algorithm;  // 0 direct, 1 Winograd
   int64_t layer;      // the layer's id in its module
@@ -155,8 +184,9 @@ struct Attrs {
       if (a[f] < 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv attrs need strides, dilations and groups >= 1";
     for (int f : {kPadTop, kPadLeft, kPadBottom, kPadRight, kLayer})
       if (a[f] < 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv attrs need paddings and a layer id >= 0";
+    CheckBlock(a[kSrcBlock]);
     return Attrs{{a[kStrideH], a[kStrideW]}, {a[kPadTop], a[kPadLeft]}, {a[kPadBottom], a[kPadRight]},
-                 {a[kDilationH], a[kDilationW]}, a[kGroups], a[kAct], a[kSrcBlocked], a[kDstBlocked],
+                 {a[kDilationH], a[kDilationW]}, a[kGroups], a[kAct], a[kSrcBlock], a[kDstBlock],
                  FloatBits(a[kAlphaBits]), FloatBits(a[kBetaBits]), a[kAlgorithm], a[kLayer]};
   }
 };
@@ -249,7 +279,7 @@ struct Reorder {
 dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
 
 dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w, const Attrs& at, bool residual,
-                                                   bool dst_blocked) {
+                                                   int64_t dst_block) {
   const int64_t N = x[0], C = x[1], H = x[2], W = x[3];
   const int64_t O = w[0], kh = w[2], kw = w[3], G = at.groups;
   auto out_size = [&](int64_t in, int64_t k, int i) {
@@ -257,8 +287,8 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
   };
   const int64_t OH = out_size(H, kh, 0), OW = out_size(W, kw, 1);
   if (C != w[1] * G || O % G != 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv shapes do not agree";
-  dnnl::memory::desc src({N, C, H, W}, dt::f32, at.src_blocked ? tag::nChw16c : tag::any);
-  dnnl::memory::desc dst({N, O, OH, OW}, dt::f32, dst_blocked ? tag::nChw16c : tag::any);
+  dnnl::memory::desc src({N, C, H, W}, dt::f32, at.src_block ? Blocked(at.src_block) : tag::any);
+  dnnl::memory::desc dst({N, O, OH, OW}, dt::f32, dst_block ? Blocked(dst_block) : tag::any);
   dnnl::memory::desc bias({O}, dt::f32, tag::x);
   dims wdims = G == 1 ? dims{O, C, kh, kw} : dims{G, O / G, C / G, kh, kw};
   dnnl::memory::desc wei(wdims, dt::f32, tag::any);
@@ -288,7 +318,8 @@ struct Layer {
   uint64_t serial;  // unique in the process: the key of each thread's buffers for this layer
   dims x, wdims;    // what it was made for (checked on every call)
   std::vector<int64_t> attrs;
-  bool residual, dst_blocked;
+  bool residual;
+  int64_t dst_block;
   dnnl::convolution_forward::primitive_desc pd;
   dnnl::convolution_forward prim;
   dnnl::memory weights;  // in pd.weights_desc(), owned
@@ -346,7 +377,7 @@ struct Rows {
 };
 
 std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const Attrs& at, const std::vector<int64_t>& attrs,
-                                       bool residual, bool dst_blocked, const std::vector<float>& fingerprint) {
+                                       bool residual, int64_t dst_block, const std::vector<float>& fingerprint) {
   static std::atomic<uint64_t> serials{0};
   auto layer = std::make_shared<Layer>();
   layer->serial = ++serials;
@@ -354,8 +385,8 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   layer->wdims = rows.wdims;
   layer->attrs = attrs;
   layer->residual = residual;
-  layer->dst_blocked = dst_blocked;
-  layer->pd = MakeDesc(x, rows.wdims, at, residual, dst_blocked);
+  layer->dst_block = dst_block;
+  layer->pd = MakeDesc(x, rows.wdims, at, residual, dst_block);
   layer->prim = dnnl::convolution_forward(layer->pd);
   // the weights, once, into the layout the primitive prefers
   const dims& w = rows.wdims;
@@ -369,8 +400,8 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   const dnnl::memory::desc src_md = layer->pd.src_desc(), dst_md = layer->pd.dst_desc();
   layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
   layer->dst_plain = dnnl::memory::desc(dst_md.dims(), dt::f32, tag::nchw);
-  layer->src_reorder = !at.src_blocked && src_md != layer->src_plain;
-  layer->dst_reorder = !dst_blocked && dst_md != layer->dst_plain;
+  layer->src_reorder = !at.src_block && src_md != layer->src_plain;
+  layer->dst_reorder = !dst_block && dst_md != layer->dst_plain;
   if (layer->src_reorder) layer->src_in = Reorder(layer->src_plain, src_md);
   if (layer->dst_reorder) {
     layer->dst_in = Reorder(layer->dst_plain, dst_md);
@@ -380,7 +411,7 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
 }
 
 std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs, bool residual,
-                                 bool dst_blocked) {
+                                 int64_t dst_block) {
   const int64_t wn = rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3];
   const std::vector<float> fingerprint = Fingerprint(rows.w, wn);
   const std::vector<int64_t> values(attrs.begin(), attrs.end());
@@ -391,11 +422,11 @@ std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& a
     if (it != Layers().end()) {
       const Layer& l = *it->second;
       if (l.fingerprint == fingerprint && l.x == x && l.wdims == rows.wdims && l.attrs == values && l.residual == residual &&
-          l.dst_blocked == dst_blocked)
+          l.dst_block == dst_block)
         return it->second;
     }
   }
-  auto layer = MakeLayer(x, rows, at, values, residual, dst_blocked, fingerprint);  // no lock held while it is made
+  auto layer = MakeLayer(x, rows, at, values, residual, dst_block, fingerprint);  // no lock held while it is made
   std::unique_lock<std::shared_mutex> lock(CacheMutex());
   Layers()[key] = layer;
   return layer;
@@ -432,19 +463,19 @@ Buffers& ThreadBuffers(const Layer& layer) {
 struct View {
   float* data;
   dims shape;  // [N, O, OH, OW]
-  int64_t padded_c = 0;  // O rounded up to 16 where the tensor holds padded nChw16c, else 0
+  int64_t padded_c = 0;  // O rounded up to B where the tensor holds padded nChwBc, else 0
   int64_t numel() const { return shape[0] * (padded_c ? padded_c : shape[1]) * shape[2] * shape[3]; }
 };
 
-int64_t RoundUp16(int64_t c) { return (c + 15) / 16 * 16; }
+int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * block; }
 
 View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
 
 // One conv (rows of a merged one, or all of it) from x into out. r: the residual (out's
 // shape), or null.
 void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& at, const Shape& attrs,
-             const float* r, const View& out, bool dst_blocked) {
-  const std::shared_ptr<const Layer> held = Get(x_dims, rows, at, attrs, r != nullptr, dst_blocked);
+             const float* r, const View& out, int64_t dst_block) {
+  const std::shared_ptr<const Layer> held = Get(x_dims, rows, at, attrs, r != nullptr, dst_block);
   const Layer& layer = *held;
   for (int i = 0; i < 4; ++i) {
     if (out.shape[i] != layer.pd.dst_desc().dims()[i])
@@ -479,8 +510,8 @@ void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& 
 // channel concatenation, which is never materialised: piece i is normalised with
 // s[c_i : c_i + C_i], t[c_i : ...] straight into its channel range of the scratch (per image
 // the contiguous range [c_i * H * W, (c_i + C_i) * H * W), in NCHW and - with c_i, C_i
-// multiples of 16 - in nChw16c). A vectorised loop (AVX-512 / AVX2 clones picked at load
-// time) over units of one channel (NCHW) or one 16-channel block (nChw16c) of one piece and
+// multiples of B - in nChwBc). A vectorised loop (AVX-512 / AVX2 clones picked at load
+// time) over units of one channel (NCHW) or one B-channel block (nChwBc) of one piece and
 // image, spread over oneDNN's OpenMP threads in one parallel region per call: measured on
 // DenseNet-121, one oneDNN binary primitive (mul, post-ops add and relu) per piece cost
 // 3 ms more per inference in call overhead (about 600 small pieces), and over a whole
@@ -499,13 +530,19 @@ LAYERFUSE_CLONES void NormaliseChannel(const float* __restrict x, float s, float
   for (; p < hw; ++p) y[p] = std::max(x[p] * s + t, 0.f);
 }
 
-// the same for hw pixels of one 16-channel block (nChw16c: 16 channels per pixel)
+// the same for hw pixels of one B-channel block (nChwBc: B channels per pixel), B = 8 or 16
+// (each a loop of constant trip count)
 LAYERFUSE_CLONES void NormaliseBlock(const float* __restrict x, const float* __restrict s, const float* __restrict t,
-                                     float* __restrict y, int64_t hw) {
+                                     float* __restrict y, int64_t hw, int64_t block) {
   float sv[16], tv[16];
-  for (int l = 0; l < 16; ++l) sv[l] = s[l], tv[l] = t[l];
-  for (int64_t p = 0; p < hw; ++p)
-    for (int l = 0; l < 16; ++l) y[p * 16 + l] = std::max(x[p * 16 + l] * sv[l] + tv[l], 0.f);
+  for (int l = 0; l < block; ++l) sv[l] = s[l], tv[l] = t[l];
+  if (block == 16) {
+    for (int64_t p = 0; p < hw; ++p)
+      for (int l = 0; l < 16; ++l) y[p * 16 + l] = std::max(x[p * 16 + l] * sv[l] + tv[l], 0.f);
+  } else {
+    for (int64_t p = 0; p < hw; ++p)
+      for (int l = 0; l < 8; ++l) y[p * 8 + l] = std::max(x[p * 8 + l] * sv[l] + tv[l], 0.f);
+  }
 }
 
 // A conv's input: one tensor, or (with a prologue) the pieces of its channel concatenation.
@@ -535,30 +572,30 @@ dims InputDims(const Input& in) {
 }
 
 // relu(concat(pieces) * s + t) into the calling thread's scratch for dims d (see the prologue above).
-const float* RunPre(const Input& in, const dims& d, bool blocked) {
+const float* RunPre(const Input& in, const dims& d, int64_t block) {
   const int64_t N = d[0], C = d[1], HW = d[2] * d[3];
   if (in.sc->numel() != C || in.sh->numel() != C)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: prologue scale/shift length != input channels";
   thread_local auto* scratch = new std::unordered_map<std::string, dnnl::memory>();
   std::ostringstream key;
   for (auto e : d) key << e << ',';
-  key << blocked;
+  key << block;
   auto buf = scratch->find(key.str());
   if (buf == scratch->end())
-    buf = scratch->emplace(key.str(), dnnl::memory({d, dt::f32, blocked ? tag::nChw16c : tag::nchw}, Engine())).first;
+    buf = scratch->emplace(key.str(), dnnl::memory({d, dt::f32, block ? Blocked(block) : tag::nchw}, Engine())).first;
   float* out = static_cast<float*>(buf->second.get_data_handle());
-  struct Unit {  // one channel (NCHW) or 16-channel block (nChw16c) of one piece and image
+  struct Unit {  // one channel (NCHW) or B-channel block (nChwBc) of one piece and image
     const float* x;
     int64_t c;  // its first channel in the concatenation
     float* y;
   };
   std::vector<Unit> units;
-  const int64_t step = blocked ? 16 : 1;
+  const int64_t step = block ? block : 1;
   int64_t c = 0;  // the piece's first channel
   for (const TensorView& x : in.pieces) {
     const int64_t Ci = x.shape()[1];
-    if (blocked && (c % 16 || Ci % 16))
-      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: blocked input pieces need channels in multiples of 16";
+    if (block && (c % block || Ci % block))
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: blocked input pieces need channels in multiples of " << block;
     for (int64_t n = 0; n < N; ++n)
       for (int64_t u = 0; u < Ci; u += step) units.push_back(Unit{Data(x) + (n * Ci + u) * HW, c + u, out + (n * C + c + u) * HW});
     c += Ci;
@@ -569,8 +606,8 @@ const float* RunPre(const Input& in, const dims& d, bool blocked) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < count; ++i) {
     const Unit& u = units[i];
-    if (blocked) {
-      NormaliseBlock(u.x, sc + u.c, sh + u.c, u.y, HW);
+    if (block) {
+      NormaliseBlock(u.x, sc + u.c, sh + u.c, u.y, HW, block);
     } else {
       NormaliseChannel(u.x, sc[u.c], sh[u.c], u.y, HW);
     }
@@ -591,23 +628,24 @@ void RunConv(const Input& in, const TensorView& w, const TensorView& b, const Te
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: split outputs need a conv without residual and groups";
   if (b.shape()[0] != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
   const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];  // weights per output channel
-  // Padded channels: a blocked tensor whose C is not a multiple of 16 has the type (and bytes)
-  // [N, ceil16(C), H, W]; the conv's C and O come from the weights.
+  // Padded channels: a blocked tensor whose C is not a multiple of B has the type (and bytes)
+  // [N, ceilB(C), H, W]; the conv's C and O come from the weights.
   const int64_t C = w.shape()[1] * at.groups, O = w.shape()[0];
-  if (!in.sc && at.src_blocked && x_dims[1] != C && x_dims[1] == RoundUp16(C)) x_dims[1] = C;
+  if (!in.sc && at.src_block && x_dims[1] != C && x_dims[1] == RoundUp(C, at.src_block)) x_dims[1] = C;
   std::vector<View> views = outs;
-  if (views.size() == 1 && (at.dst_blocked & 1) && views[0].shape[1] != O && views[0].shape[1] == RoundUp16(O)) {
+  const int64_t dst0 = DstBlock(at.dst_block, 0);
+  if (views.size() == 1 && dst0 && views[0].shape[1] != O && views[0].shape[1] == RoundUp(O, dst0)) {
     views[0].padded_c = views[0].shape[1];
     views[0].shape[1] = O;
   }
   int64_t o = 0;  // output channels done
-  const float* xdata = in.sc ? RunPre(in, x_dims, at.src_blocked) : Data(in.pieces[0]);
+  const float* xdata = in.sc ? RunPre(in, x_dims, at.src_block) : Data(in.pieces[0]);
   for (size_t j = 0; j < views.size(); ++j) {
     const int64_t Oj = views[j].shape[1];
     if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
     if (r && views[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
     Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
-    RunRows(xdata, x_dims, rows, at, attrs, r ? Data(*r) : nullptr, views[j], (at.dst_blocked >> j) & 1);
+    RunRows(xdata, x_dims, rows, at, attrs, r ? Data(*r) : nullptr, views[j], DstBlock(at.dst_block, j));
     o += Oj;
   }
   if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];
@@ -680,12 +718,12 @@ void Conv2dPre(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
 }
 
 // concat_convs(spec, a_1, ..., a_m, out): a channel concat whose pieces are made in place.
-// spec = (blocked, then per member kind, offset, nargs: MemberField); member j writes the
+// spec = (block, then per member kind, offset, nargs: MemberField); member j writes the
 // channels [offset_j, offset_j + C_j) of out (batch 1: a contiguous range of out, in NCHW and
-// - with offsets and C_j multiples of 16 - in nChw16c) and takes the next nargs_j arguments:
-// kind 0 copy (x), 1 conv2d (x, w, b, attrs), 2 conv2d_pre (x_1, ..., x_k, s, t, w, b, attrs),
-// 3 conv2d_add (x, w, b, r, attrs), as the functions above (a conv's dst_blocked bit says
-// out's layout).
+// - with offsets and C_j multiples of block B - in nChwBc) and takes the next nargs_j
+// arguments: kind 0 copy (x), 1 conv2d (x, w, b, attrs), 2 conv2d_pre (x_1, ..., x_k, s, t,
+// w, b, attrs), 3 conv2d_add (x, w, b, r, attrs), as the functions above (a conv's dst_block
+// says out's layout).
 void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (args.size() < 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: expected (spec, args..., out)";
   enum ConcatConvsArg : int { kSpec, kMembers };  // (spec, the members' arguments..., out)
@@ -696,7 +734,8 @@ void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (out.shape()[0] != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: batch must be 1";
   if (spec.size() < 1 || (spec.size() - 1) % kMemberFieldCount != 0)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: bad spec";
-  const bool blocked = spec[0] != 0;
+  const int64_t block = spec[0];
+  CheckBlock(block);
   float* base = const_cast<float*>(Data(out));
   static const int kFixed[] = {1, 4, 5, 5};  // arguments per member kind (kind 2: its pieces, plus 5)
   int a = kMembers;  // next argument
@@ -709,7 +748,7 @@ void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
       if (a + n > args.size() - 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: spec does not match the arguments";
       auto t = [&](int i) { return args[a + i].cast<TensorView>(); };
       const int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? n - 3 : 1).shape()[0];
-      if (offset < 0 || offset + Cj > C || (blocked && (offset % 16 || Cj % 16)))
+      if (offset < 0 || offset + Cj > C || (block && (offset % block || Cj % block)))
         TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: piece does not fit the output";
       View view{base + offset * H * W, dims{1, Cj, H, W}};
       if (kind == 0) {
@@ -738,7 +777,7 @@ void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (a != args.size() - 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: unused arguments";
 }
 
-// out = pool(x): max or average, in nChw16c or NCHW (see the header).
+// out = pool(x): max or average, in nChwBc or NCHW (see the header).
 struct Pool {
   dnnl::pooling_forward::primitive_desc pd;
   dnnl::pooling_forward prim;
@@ -759,7 +798,7 @@ dnnl::pooling_forward::primitive_desc PoolDesc(const dims& x, const dims& y, con
   const int64_t pr = std::max(a[kPoolPadRight], (y[3] - 1) * sw + kw - x[3] - pl);
   if ((x[2] + pt + pb - kh) / sh + 1 != y[2] || (x[3] + pl + pr - kw) / sw + 1 != y[3] || x[0] != y[0] || x[1] != y[1])
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: output shape does not match the pool";
-  const tag t = a[kBlocked] ? tag::nChw16c : tag::nchw;
+  const tag t = a[kPoolBlock] ? Blocked(a[kPoolBlock]) : tag::nchw;
   dnnl::memory::desc src(x, dt::f32, t), dst(y, dt::f32, t);
   dnnl::pooling_forward::desc d(dnnl::prop_kind::forward_inference, algs[a[kAlg]], src, dst, {sh, sw}, {kh, kw}, {pt, pl},
                                 {pb, pr});
@@ -890,26 +929,32 @@ String PoolImplementation(Shape x, Shape y, Shape attrs) {
 }
 
 
-// out (nChw16c bytes, [N, C, H, W] type) = x (NCHW): one reorder for a plain tensor that
-// several oneDNN layers read, instead of one inside each of them.
-void ToBlocked(TensorView x, TensorView out) {
+// out (nChwBc bytes, [N, C, H, W] type) = x (NCHW), attrs = (B): one reorder for a plain tensor
+// that several oneDNN layers read, instead of one inside each of them.
+void ToBlocked(TensorView x, Shape attrs, TensorView out) {
   CheckTensor(x, 4, "input");
   CheckTensor(out, 4, "output");
-  if (x.shape()[1] % 16 != 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.to_blocked: channels % 16 != 0";
+  if (attrs.size() != kToBlockedFieldCount || attrs[kBlock] == 0)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.to_blocked: attrs must be (block,) with block 8 or 16";
+  const int64_t block = attrs[kBlock];
+  const tag blocked_tag = Blocked(block);
+  if (x.shape()[1] % block != 0)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.to_blocked: channels % " << block << " != 0";
   try {
     static auto* mu = new std::shared_mutex();
-    static auto* reorders = new std::map<dims, std::shared_ptr<const Reorder>>();
+    static auto* reorders = new std::map<std::pair<dims, int64_t>, std::shared_ptr<const Reorder>>();
     dims d = Dims(x.shape().data(), 4);
+    const std::pair<dims, int64_t> key{d, block};
     std::shared_ptr<const Reorder> reorder;
     {
       std::shared_lock<std::shared_mutex> lock(*mu);
-      auto it = reorders->find(d);
+      auto it = reorders->find(key);
       if (it != reorders->end()) reorder = it->second;
     }
     if (!reorder) {
-      auto made = std::make_shared<Reorder>(dnnl::memory::desc(d, dt::f32, tag::nchw), dnnl::memory::desc(d, dt::f32, tag::nChw16c));
+      auto made = std::make_shared<Reorder>(dnnl::memory::desc(d, dt::f32, tag::nchw), dnnl::memory::desc(d, dt::f32, blocked_tag));
       std::unique_lock<std::shared_mutex> lock(*mu);
-      reorder = (*reorders)[d] = made;
+      reorder = (*reorders)[key] = made;
     }
     (*reorder)(const_cast<float*>(Data(x)), const_cast<float*>(Data(out)));
     Stream().wait();
@@ -947,7 +992,7 @@ String Implementation(Shape x, Shape w, Shape attrs, bool residual) {
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
     const Attrs at = Attrs::From(attrs);
-    auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, at.dst_blocked & 1);
+    auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, DstBlock(at.dst_block, 0));
     return String(pd.impl_info_str());
   } catch (const dnnl::error& e) {
     return String(std::string("unsupported: ") + e.what());
@@ -987,7 +1032,7 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
     std::vector<Timed> timed;
     for (const Shape* attrs : {&attrs_a, &attrs_b}) {
       const Attrs at = Attrs::From(*attrs);
-      auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, at.dst_blocked & 1);
+      auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, DstBlock(at.dst_block, 0));
       timed.push_back(Timed{dnnl::convolution_forward(pd),
                             {{DNNL_ARG_SCRATCHPAD, dnnl::memory(pd.scratchpad_desc(), Engine())},
                              {DNNL_ARG_SRC, filled(pd.src_desc())},
@@ -1012,6 +1057,27 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
 }
 
 int64_t AbiVersion() { return kAbiVersion; }
+
+// The block width of oneDNN's optimised kernels on this CPU (see Layouts): its AVX-512
+// kernels (avx512_core and up) take nChw16c, its AVX2 / AVX / SSE4.1 ones nChw8c; below
+// SSE4.1 there are only reference kernels, and plain layouts are kept.
+int64_t BlockWidth() {
+  const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+  switch (isa) {
+    case dnnl::cpu_isa::sse41:
+    case dnnl::cpu_isa::avx:
+    case dnnl::cpu_isa::avx2:
+    case dnnl::cpu_isa::avx2_vnni:
+      return 8;
+    case dnnl::cpu_isa::avx512_core:
+    case dnnl::cpu_isa::avx512_core_vnni:
+    case dnnl::cpu_isa::avx512_core_bf16:
+    case dnnl::cpu_isa::avx512_core_amx:
+      return 16;
+    default:
+      return 0;
+  }
+}
 
 String Version() {
   const dnnl_version_t* v = dnnl_version();
@@ -1046,4 +1112,5 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.version", Function::FromTyped(layerfuse_onednn::Version), true);
   Function::SetGlobal("layerfuse.onednn.abi_version", Function::FromTyped(layerfuse_onednn::AbiVersion), true);
   Function::SetGlobal("layerfuse.onednn.release", Function::FromTyped(layerfuse_onednn::ReleaseLayers), true);
+  Function::SetGlobal("layerfuse.onednn.block_width", Function::FromTyped(layerfuse_onednn::BlockWidth), true);
 }

@@ -20,7 +20,7 @@ call for all of them); one with any other reader stays a concat.
 Concatenation in place (batch 1): a ``layerfuse.onednn.concat`` whose pieces oneDNN convs make
 for it alone becomes one ``layerfuse.onednn.concat_convs`` call in which each conv writes its
 channel range ``[c, c + C)`` of the block directly (contiguous in NCHW and, with ``c`` and ``C``
-multiples of 16, in ``nChw16c``); other pieces are copied in (:func:`concats_in_place`).
+multiples of the block width B, in ``nChwBc``); other pieces are copied in (:func:`concats_in_place`).
 
 Residual in place: a ``conv2d_add`` whose residual nothing reads afterwards writes its result
 into the residual's buffer (``call_tir_inplace`` of a TIR wrapper, see
@@ -136,12 +136,12 @@ def _rows(expr, ranges: list, values: dict) -> relax.Expr:
     return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=0)
 
 
-def _with_rows(bound: abi.Bound, ranges: list, values: dict, dst_blocked: int) -> abi.Bound:
+def _with_rows(bound: abi.Bound, ranges: list, values: dict, dst_block: int) -> abi.Bound:
     """A conv call restricted to the output rows ``ranges`` (weight and bias rows)."""
     return bound.replace(
         weight=_rows(bound.args.weight, ranges, values),
         bias=_rows(bound.args.bias, ranges, values),
-        attrs=bound.attrs.replace(dst_blocked=dst_blocked),
+        attrs=bound.attrs.replace(dst_block=dst_block),
     )
 
 
@@ -167,8 +167,8 @@ def concats_in_place(func: relax.Function, layers: list) -> relax.Function:
             if member is None or (member[2] is not None and member[2] in pieces):
                 members.append((offset, abi.copy_member(x)))  # copied (also a piece read twice by this concat)
             else:
-                conv, dst_blocked, piece = member
-                blocked.add(dst_blocked)
+                conv, dst_block, piece = member
+                blocked.add(dst_block)
                 members.append((offset, conv))
                 if piece is not None:
                     pieces.append(piece)
@@ -193,7 +193,7 @@ def concats_in_place(func: relax.Function, layers: list) -> relax.Function:
 
 
 def _member(x, values: dict, calls: dict, uses: dict):
-    """(member call, dst blocked, (merged var, piece) or None) of a concat piece a oneDNN conv
+    """(member call, its output's block width, (merged var, piece) or None) of a concat piece a oneDNN conv
     makes for this concat alone, else None (the piece is copied)."""
     if not isinstance(x, relax.Var) or uses.get(x) != 1:
         return None
@@ -201,7 +201,7 @@ def _member(x, values: dict, calls: dict, uses: dict):
         bound = calls[x]
         if bound.call.member is None or isinstance(x.ty, relax.TupleType):
             return None
-        return bound, bound.attrs.dst_bit(0), None
+        return bound, bound.attrs.dst_block_of(0), None
     value = values.get(x)
     if isinstance(value, relax.TupleGetItem) and value.tuple_value in calls:
         v, j = value.tuple_value, int(value.index)
@@ -210,8 +210,8 @@ def _member(x, values: dict, calls: dict, uses: dict):
             return None
         lo = sum(static_shape_of(t)[1] for t in list(v.ty.fields)[:j])
         hi = lo + static_shape_of(v.ty.fields[j])[1]
-        blocked = bound.attrs.dst_bit(j)
-        return _with_rows(bound, [(lo, hi)], values, blocked), blocked, (v, j)
+        block = bound.attrs.dst_block_of(j)
+        return _with_rows(bound, [(lo, hi)], values, block), block, (v, j)
     return None
 
 
@@ -228,7 +228,7 @@ def _merged_rows(bound: abi.Bound, out_types: list, keep: list, values: dict):
         bounds.append((lo, lo + static_shape_of(t)[1]))
         lo += static_shape_of(t)[1]
     ranges = [bounds[j] for j in keep]
-    dst = sum(bound.attrs.dst_bit(j) << k for k, j in enumerate(keep))
+    dst = abi.dst_block([bound.attrs.dst_block_of(j) for j in keep])
     return _with_rows(bound, ranges, values, dst), [out_types[j] for j in keep]
 
 

@@ -16,22 +16,27 @@ global average (``mean`` over H, W with keepdims, ``adaptive_avg_pool2d`` to 1x1
 ``layerfuse.onednn.pool2d``; a channel concat -> ``layerfuse.onednn.concat`` (one ``memcpy``
 per piece and image: TVM's in-place concat only moves TVM kernels' outputs).
 
-Layout (per tensor: plain NCHW or oneDNN's blocked ``nChw16c``, same size and Relax type).
-Tensors that must share a layout form classes: a concat's inputs and output (per image,
-channels ``[c, c + C)`` of an ``nChw16c`` tensor are the contiguous range ``[c*H*W, (c+C)*H*W)``
-when ``c`` and ``C`` are multiples of 16, exactly as in NCHW, so the concat's copies are the
-same bytes either way), a pool's src and dst, a residual and the output it is added to.
-A class is blocked when every member is 4-d with ``C % 16 == 0``, made by a library call,
-and read by library calls only (never by a TVM kernel or the caller) -- except that a
-``C % 16 == 0`` tensor with 1x1 spatial has the same bytes in both layouts, so anyone may
-read it. A conv reads either layout (``src_blocked``) and writes either (``dst_blocked``, a
-bit per output piece); a plain src or dst is reordered inside the library call, and a plain
-tensor read by several convs is reordered once (``layerfuse.onednn.to_blocked``). A tensor
-with ``16 < C``, ``C % 16 != 0`` (MobileNet-V2's 24 channels) that convs with one output make
-and only convs read is kept in padded ``nChw16c``: its Relax type becomes ``[N, ceil16(C), H,
-W]``, the bytes oneDNN's padded layout takes (see ``_padded``). So reorders happen only where
-a TVM kernel reads or writes a tensor next to a oneDNN layer (and at the split pieces of a
-merged conv with such channel counts, or C < 16).
+Layout (per tensor: plain NCHW or oneDNN's blocked ``nChwBc``, same size and Relax type).
+The block width ``B`` is the one oneDNN's optimised kernels take on this CPU
+(:func:`.onednn.block_width`: 16 with AVX-512, 8 with AVX2; 0 keeps every tensor plain), and
+every blocked call carries it in its attrs. Tensors that must share a layout form classes: a
+concat's inputs and output (per image, channels ``[c, c + C)`` of an ``nChwBc`` tensor are
+the contiguous range ``[c*H*W, (c+C)*H*W)`` when ``c`` and ``C`` are multiples of B, exactly
+as in NCHW, so the concat's copies are the same bytes either way), a pool's src and dst, a
+residual and the output it is added to. A class is blocked when every member is 4-d with
+``C % B == 0``, made by a library call, and read by library calls only (never by a TVM
+kernel or the caller) -- except that a ``C % B == 0`` tensor with 1x1 spatial has the same
+bytes in both layouts, so anyone may read it. A conv reads either layout (``src_block``: 0 or
+B) and writes either (``dst_block``: B or 0 per output piece); a plain src or dst is
+reordered inside the library call, and a plain tensor read by several convs is reordered
+once (``layerfuse.onednn.to_blocked``). A tensor with ``B < C``, ``C % B != 0`` (MobileNet-V2's
+24 channels with B = 16) that convs with one output make and only convs read is kept in
+padded ``nChwBc``: its Relax type becomes ``[N, ceilB(C), H, W]``, the bytes oneDNN's padded
+layout takes (see ``_padded``). So reorders happen only where a TVM kernel reads or writes a
+tensor next to a oneDNN layer (and at the split pieces of a merged conv with such channel
+counts, or C < B). A conv or pool that oneDNN would run with a reference (``ref:``) kernel in
+the blocked layout gets its tensors' classes plain instead (``_refuse_reference_kernels``),
+so no layer ever records a ``ref:`` kernel as taken.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ from tvm import relax
 
 from ...relax._ir import dtype_of, op_name, static_shape
 from . import abi
-from .abi import BLOCK
 from .choice import LayerChoice
 from .oracle import current_oracle
 
@@ -239,6 +243,7 @@ class _Classes:
 
 def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     """Choose plain or blocked bytes for every tensor that oneDNN calls make (see module doc)."""
+    width = current_oracle().block_width()
     bindings = bindings_of(func)
     calls = {}  # var -> abi.Bound
     pieces: dict = {}  # tuple var -> {index: [piece vars]}
@@ -273,10 +278,10 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
 
     def can_block(var) -> bool:
         shape = static_shape(var)
-        if shape is None or len(shape) != 4 or shape[1] % BLOCK != 0 or producer.get(var) != "onednn":
+        if not width or shape is None or len(shape) != 4 or shape[1] % width != 0 or producer.get(var) != "onednn":
             return False
         if shape[2] * shape[3] == 1:
-            return True  # C % 16 == 0 and 1x1: nChw16c and NCHW are the same bytes
+            return True  # C % B == 0 and 1x1: nChwBc and NCHW are the same bytes
         return isinstance(var, relax.DataflowVar) and var not in tvm_read
 
     members: dict = {}
@@ -297,7 +302,11 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     shared = {
         x
         for x, rs in data_readers.items()
-        if len(rs) >= 2 and static_shape(x) is not None and len(static_shape(x)) == 4 and static_shape(x)[1] % BLOCK == 0
+        if width
+        and len(rs) >= 2
+        and static_shape(x) is not None
+        and len(static_shape(x)) == 4
+        and static_shape(x)[1] % width == 0
     }
 
     def conv_flags(v, bound, padded: set) -> tuple[int, int]:
@@ -305,32 +314,82 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
         src = isinstance(x, relax.Var) and (x in blocked or x in shared or x in padded)
         if isinstance(v.ty, relax.TupleType):
             parts = pieces.get(v, {})
-            return int(src), sum(1 << j for j, vs in parts.items() if vs[0] in blocked)
-        return int(src), int(v in blocked or v in padded)
+            n = len(v.ty.fields)
+            return width * src, abi.dst_block([width * (j in parts and parts[j][0] in blocked) for j in range(n)])
+        return width * src, width * (v in blocked or v in padded)
 
-    padded = _padded(members, calls, tvm_read, conv_flags)
-    flags = {}  # call var -> the call's attrs with its layout flags set
-    for v, bound in calls.items():
-        if bound.call.conv:
-            src, dst = conv_flags(v, bound, padded)
-            flags[v] = bound.attrs.replace(src_blocked=src, dst_blocked=dst)
-        elif bound.call is abi.POOL2D:
-            flags[v] = bound.attrs.replace(blocked=int(v in blocked))
-    _record_layouts(layers, calls, flags)
+    padded = _padded(members, calls, tvm_read, conv_flags, width)
+    notes: dict = {}  # call var -> why its tensors stay plain
+    flags = _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, conv_flags, width, notes)
+    _record_layouts(layers, calls, flags, notes)
     by_call = {b.value: flags[b.var] for b in bindings if b.var in flags and flags[b.var] != calls[b.var].attrs}
-    resize = {b.value: _padded_type(b.var) for b in bindings if b.var in padded}
-    return _SetLayouts(by_call, shared, resize).visit_expr(func) if by_call else func
+    resize = {b.value: _padded_type(b.var, width) for b in bindings if b.var in padded}
+    return _SetLayouts(by_call, shared, resize, width).visit_expr(func) if by_call else func
 
 
-def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
-    """Tensors kept in nChw16c with their channels padded to a multiple of 16 (MobileNet-V2's
-    24-channel stage): 16 < C, C % 16 != 0, made by a conv with one output and read only by
+def _with_layout(bound: abi.Bound, flags: tuple[int, int]):
+    """The attrs of the conv or pool call ``bound`` with the block widths ``flags`` (src, dst)."""
+    if bound.call is abi.POOL2D:
+        return bound.attrs.replace(block=flags[0])
+    return bound.attrs.replace(src_block=flags[0], dst_block=flags[1])
+
+
+def _kernel(v, bound: abi.Bound, attrs) -> str:
+    """The kernel oneDNN picks for the conv or pool call ``v = bound`` under ``attrs``."""
+    oracle = current_oracle()
+    if bound.call is abi.POOL2D:
+        return oracle.pool_kernel(static_shape(bound.args.input), static_shape(v), attrs)
+    return oracle.conv_kernel(
+        static_shape(bound.args.input), static_shape(bound.args.weight), attrs, residual=bound.call is abi.CONV2D_ADD
+    )
+
+
+def _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, conv_flags, width, notes) -> dict:
+    """Every conv and pool call's attrs with its block widths set, after making plain the
+    layout classes of any call that oneDNN would run with a reference (``ref:``) or no kernel
+    in its blocked layout (a plain src or dst is reordered inside the call to the layout of an
+    optimised kernel, which :class:`.use_onednn.UseOneDNNConv` checked). Changes ``blocked``,
+    ``shared`` and ``padded`` in place and notes each refused call's reason in ``notes``;
+    repeats until no call is refused."""
+    checked: dict = {}  # (call var, flags) -> kernel
+    while True:
+        flags = {}  # call var -> (src width, dst widths)
+        for v, bound in calls.items():
+            if bound.call.conv:
+                flags[v] = conv_flags(v, bound, padded)
+            elif bound.call is abi.POOL2D:
+                flags[v] = (width * (v in blocked), width * (v in blocked))
+        refused = []
+        for v, f in flags.items():
+            if not any(f):
+                continue
+            if (v, f) not in checked:
+                checked[(v, f)] = _kernel(v, calls[v], _with_layout(calls[v], f))
+            if _kernel_refused(checked[(v, f)]):
+                refused.append((v, checked[(v, f)]))
+        if not refused:
+            return {v: _with_layout(calls[v], f) for v, f in flags.items()}
+        for v, kernel in refused:
+            x = calls[v].args.input
+            notes[v] = f"plain layout: oneDNN has only {kernel} for it in {abi.layout_name(width)}"
+            log.info("%s: %s", v.name, notes[v])
+            touched = {v, x} | {vs[0] for vs in pieces.get(v, {}).values()}
+            for vs in members.values():
+                if vs & touched:
+                    blocked.difference_update(vs)
+                    padded.difference_update(vs)
+            shared.discard(x)
+
+
+def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -> set:
+    """Tensors kept in nChwBc with their channels padded to a multiple of B (MobileNet-V2's
+    24-channel stage with B = 16): B < C, C % B != 0, made by a conv with one output and read only by
     convs (as their src, or conv2d_add's residual), never by TVM, the caller, a pool, a
     concat or a prologue -- all their class alike -- and every conv that touches one keeps an
     optimised kernel in that layout (``conv_flags(var, bound, padded)``: the flags it gets; a
-    class whose conv would get ``ref:`` stays plain). Their Relax type becomes [N, ceil16(C),
-    H, W] (the bytes of oneDNN's padded nChw16c; the library takes C from the weights), so no
-    conv reorders them to and from NCHW inside its call. (C < 16 is left plain: padding would
+    class whose conv would get ``ref:`` stays plain). Their Relax type becomes [N, ceilB(C),
+    H, W] (the bytes of oneDNN's padded nChwBc; the library takes C from the weights), so no
+    conv reorders them to and from NCHW inside its call. (C < B is left plain: padding would
     multiply the reading conv's work more than the reorders cost.)"""
     simple = (abi.CONV2D, abi.CONV2D_ADD)
     readers: dict = {}  # var -> [(library call, role)]
@@ -347,7 +406,9 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
 
     def can_pad(var) -> bool:
         shape = static_shape(var)
-        if shape is None or len(shape) != 4 or shape[1] % BLOCK == 0 or shape[1] < BLOCK or shape[2] * shape[3] == 1:
+        if not width or shape is None or len(shape) != 4 or shape[1] % width == 0 or shape[1] < width:
+            return False
+        if shape[2] * shape[3] == 1:
             return False
         if var not in calls or calls[var].call not in simple or not isinstance(var, relax.DataflowVar) or var in tvm_read:
             return False
@@ -364,7 +425,7 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
             if x is None or not (v in padded or x in padded):
                 continue
             src, dst = conv_flags(v, bound, padded)
-            attrs = bound.attrs.replace(src_blocked=src, dst_blocked=dst)
+            attrs = bound.attrs.replace(src_block=src, dst_block=dst)
             key = (v, src, dst)
             if key not in checked:
                 checked[key] = current_oracle().conv_kernel(
@@ -376,13 +437,14 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags) -> set:
     return padded
 
 
-def _padded_type(var) -> relax.TensorType:
+def _padded_type(var, width: int) -> relax.TensorType:
     n, c, h, w = static_shape(var)
-    return relax.TensorType([n, -(-c // BLOCK) * BLOCK, h, w], "float32")
+    return relax.TensorType([n, -(-c // width) * width, h, w], "float32")
 
 
-def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
-    """Tell each oneDNN LayerChoice which layout its src and dst have: a pool's by its bound
+def _record_layouts(layers: list, calls: dict, flags: dict, notes: dict) -> None:
+    """Tell each oneDNN LayerChoice which layout its src and dst have (and, where a call's
+    blocked kernel would be a reference one, why they are plain): a pool's by its bound
     variable (``pool:<var>``), a conv's by the layer id its call's attrs carry."""
     by_name = {c.layer: c for c in layers}
     for v, bound in calls.items():
@@ -393,20 +455,20 @@ def _record_layouts(layers: list, calls: dict, flags: dict) -> None:
             c = by_name.get(f"pool:{v.name}")
             if c is None:
                 continue
-            c.layout = "nChw16c" if attrs.blocked else "nchw"
-            if attrs.blocked:  # the kernel oneDNN picks in that layout
-                c.kernel = current_oracle().pool_kernel(static_shape(bound.args.input), static_shape(v), attrs)
+            c.layout = abi.layout_name(attrs.block)
+            c.reason = notes.get(v, c.reason)
+            if attrs.block:  # the kernel oneDNN picks in that layout
+                c.kernel = _kernel(v, bound, attrs)
             continue
         c = _conv_choices(layers).get(attrs.layer)
         if c is None:
             continue
         n = len(v.ty.fields) if isinstance(v.ty, relax.TupleType) else 1
-        outs = ",".join("nChw16c" if attrs.dst_bit(j) else "nchw" for j in range(n))
-        c.layout = f"{'nChw16c' if attrs.src_blocked else 'nchw'}>{outs}"
-        if attrs.src_blocked or attrs.dst_blocked:  # the kernel oneDNN picks for these layouts
-            c.kernel = current_oracle().conv_kernel(
-                static_shape(bound.args.input), static_shape(bound.args.weight), attrs, residual=bound.call is abi.CONV2D_ADD
-            )
+        outs = ",".join(abi.layout_name(attrs.dst_block_of(j)) for j in range(n))
+        c.layout = f"{abi.layout_name(attrs.src_block)}>{outs}"
+        c.reason = notes.get(v, c.reason)
+        if attrs.src_block or attrs.dst_block:  # the kernel oneDNN picks for these layouts
+            c.kernel = _kernel(v, bound, attrs)
 
 
 def _conv_choices(layers: list) -> dict:
@@ -416,9 +478,10 @@ def _conv_choices(layers: list) -> dict:
 
 @relax.expr_functor.mutator
 class _SetLayouts(relax.PyExprMutator):
-    def __init__(self, by_call: dict, shared: set, resize: dict) -> None:
+    def __init__(self, by_call: dict, shared: set, resize: dict, width: int) -> None:
         super().__init__()
-        self.by_call = by_call  # call -> its attrs with the layout flags
+        self.width = width  # the block width of the blocked layout
+        self.by_call = by_call  # call -> its attrs with the layout's block widths
         self.shared = shared  # plain tensors reordered once for their oneDNN readers
         self.resize = resize  # call -> its result's type with padded channels
         self.blocked_copy: dict = {}
@@ -436,8 +499,10 @@ class _SetLayouts(relax.PyExprMutator):
                 visited[role] = self.visit_expr(getattr(args, role))
         if bound.call.conv and x in self.shared:
             if x not in self.blocked_copy:
-                copy = abi.make(abi.TO_BLOCKED, input=visited["inputs"][0]).expr(relax.TensorType(list(static_shape(x)), "float32"))
-                self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_nChw16c")
+                copy = abi.make(abi.TO_BLOCKED, input=visited["inputs"][0], attrs=abi.ToBlockedAttrs(self.width)).expr(
+                    relax.TensorType(list(static_shape(x)), "float32")
+                )
+                self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_{abi.layout_name(self.width)}")
             visited["inputs"] = (self.blocked_copy[x], *visited["inputs"][1:])
         bound = bound.replace(**visited)
         new = abi.rebuild(call, bound)

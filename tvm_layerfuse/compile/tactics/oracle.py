@@ -1,8 +1,9 @@
 """What the oneDNN rewrites ask the library while they run: which kernel a layer gets on this
-machine, and how long a conv takes under two sets of attrs.
+machine, how long a conv takes under two sets of attrs, and the block width of the blocked
+layout its optimised kernels take here.
 
 :class:`LibraryOracle` asks the library loaded in this process (the default). A test gives
-:class:`.use_onednn.UseOneDNNConv` an oracle of its own (any object with these four methods),
+:class:`.use_onednn.UseOneDNNConv` an oracle of its own (any object with these five methods),
 so the rewrites run, and their IR can be compared before and after, where oneDNN is absent.
 The steps of the pass read the oracle of the running pass through :func:`current_oracle`.
 """
@@ -17,6 +18,9 @@ from . import abi
 
 
 class Oracle(Protocol):
+    def block_width(self) -> int:
+        """The channel block of oneDNN's optimised kernels here: 16 (AVX-512), 8 (AVX2), 0 (plain)."""
+
     def conv_kernel(self, x_shape: Sequence[int], w_shape: Sequence[int], attrs: abi.ConvAttrs, *, residual: bool) -> str:
         """The kernel name (``impl_info_str``) of the conv; ``ref...`` / ``unsupported...``: none optimised."""
 
@@ -40,6 +44,9 @@ class LibraryOracle:
 
         onednn.load()
         self._onednn = onednn
+
+    def block_width(self):
+        return self._onednn.block_width()
 
     def conv_kernel(self, x_shape, w_shape, attrs, *, residual):
         return self._onednn.implementation(x_shape, w_shape, attrs, residual=residual)

@@ -17,7 +17,8 @@ so the call becomes::
                           (x, W, reshape(b, [O]) [, r], attrs), R.Tensor(y.shape))
 
 with ``attrs`` an :class:`.abi.ConvAttrs` record (geometry, the activation's code in
-:data:`.abi.ACTIVATIONS`, alpha and beta as float32 bit patterns, the layout flags and the
+:data:`.abi.ACTIVATIONS`, alpha and beta as float32 bit patterns, the layouts' block widths
+``src_block`` / ``dst_block``: 0 plain, 8 or 16, set by ``assign_layouts``, and the
 algorithm) carried as one ``R.shape``. The epilogue is what the fusion pass itself matched
 (:func:`tvm_layerfuse.relax.fuse_epilogue.match_group`, its named patterns): relu,
 LeakyRelu, clip, silu, sigmoid, HardSwish, HardSigmoid and GELU (erf or tanh) become
@@ -30,7 +31,8 @@ own, applied per Relax function in this order):
 
 - :mod:`.onednn_layout`: ``merge_splits`` (a merged conv's split pieces as its outputs),
   ``dense_layers`` (the classifier), ``pools_and_concats`` (pools and concats that read oneDNN
-  tensors), ``assign_layouts`` (``nChw16c`` between library calls);
+  tensors), ``assign_layouts`` (``nChw16c`` / ``nChw8c``, the block width of this CPU's kernels,
+  between library calls);
 - :mod:`.onednn_inplace`: ``prologues_read_pieces`` (DenseNet's concats never materialised),
   ``concats_in_place`` (convs write their channel ranges of a concat), ``residuals_in_place``
   (a residual conv writes into its residual's buffer);
@@ -48,7 +50,8 @@ decide the choice) and Winograd is kept when it is at least ``WINOGRAD_GAIN`` fa
 the same convolution with fewer multiplies (F(4x4, 3x3): 36 instead of 144 per 4x4 output
 tile and channel pair); its rounding differs from the direct sum by about 1e-6 relative.
 ``UseOneDNNConv(winograd="never")`` keeps every layer direct, ``"always"`` takes Winograd
-wherever oneDNN has it (tests). ``pass.layers`` lists
+wherever oneDNN has it (tests) and records, where it has not (oneDNN 2.6 has Winograd
+kernels for AVX-512 only), why the layer stays direct (``timing``: ``NO_WINOGRAD``). ``pass.layers`` lists
 every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout", "timing"}``: conv layers,
 pools (``pool:<var>``, tactic ``onednn``), the classifier (``dense:<var>``: ``x @ w + b`` as a
 oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, ``in-place``, or ``read by
@@ -78,7 +81,7 @@ from ...relax.fuse_prologue import PROLOGUE_PREFIX
 from . import abi
 from .choice import LayerChoice
 from .onednn_inplace import concats_in_place, prologues_read_pieces, residuals_in_place
-from .onednn_layout import BLOCK, assign_layouts, dense_layers, merge_splits, pools_and_concats
+from .onednn_layout import assign_layouts, dense_layers, merge_splits, pools_and_concats
 from .oracle import LibraryOracle, Oracle, current_oracle, use_oracle
 from .verify_layouts import check_layouts
 
@@ -88,6 +91,7 @@ log = logging.getLogger(__name__)
 
 WINOGRAD_CHOICES = ("timed", "never", "always")
 WINOGRAD_GAIN = 1.05  # Winograd is kept when direct takes at least this many times as long
+NO_WINOGRAD = "winograd (always): oneDNN has no Winograd kernel for it here, direct"
 
 
 @dataclass
@@ -210,12 +214,18 @@ class UseOneDNNConv:
         if attrs.dilation != (1, 1) or attrs.groups != 1:
             return attrs, kernel, ""
         # timed in the layout the layer will most likely get (blocked where C and O allow it)
-        wino = attrs.replace(algorithm=1, src_blocked=int(x_shape[1] % BLOCK == 0), dst_blocked=int(w_shape[0] % BLOCK == 0))
         oracle = current_oracle()
+        width = oracle.block_width()
+        wino = attrs.replace(
+            algorithm=1,
+            src_block=width if width and x_shape[1] % width == 0 else 0,
+            dst_block=width if width and w_shape[0] % width == 0 else 0,
+        )
         wino_kernel = oracle.conv_kernel(x_shape, w_shape, wino, residual=residual)
         if _kernel_refused(wino_kernel):
+            # oneDNN 2.6 has Winograd kernels for AVX-512 only: elsewhere the layer stays direct
             if self.winograd == "always":  # asked for, not there: direct, and the reason recorded
-                return attrs, kernel, f"direct: oneDNN has no Winograd kernel for it on this CPU ({wino_kernel[:80]})"
+                return attrs, kernel, f"{NO_WINOGRAD} ({wino_kernel.split(':')[0]})"
             return attrs, kernel, ""
         if self.winograd == "always":
             return attrs.replace(algorithm=1), wino_kernel, "winograd (always)"

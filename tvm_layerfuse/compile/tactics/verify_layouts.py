@@ -1,17 +1,17 @@
 """The layout check at the end of the oneDNN tactic: every tensor whose bytes are oneDNN's
-blocked ``nChw16c`` (or padded ``nChw16c``, its channels rounded up to 16) keeps its NCHW
+blocked ``nChwBc`` (B = 8 or 16; or padded ``nChwBc``, its channels rounded up to B) keeps its NCHW
 Relax type, so nothing in the IR stops a later pass, or a TVM kernel, from reading those
 bytes as NCHW. This check walks each function after the rewrites and finds every such value:
 
-* made blocked by a library call whose flags say so (a conv's ``dst_blocked`` bit, a pool's
-  ``blocked``, ``to_blocked``, a ``concat_convs`` block's ``blocked``, a ``concat`` of blocked
-  pieces, a residual conv in place over a blocked residual);
-* read only where the reader's flags say blocked: a conv's input (``src_blocked``), its
-  residual (the dst layout), a pool's input (``blocked``), a concat's pieces (all alike), a
+* made blocked by a library call whose block widths say so (a conv's ``dst_block`` for each
+  output, a pool's ``block``, ``to_blocked``'s ``block``, a ``concat_convs`` block's
+  ``block``, a ``concat`` of blocked pieces, a residual conv in place over a blocked residual);
+* read only where the reader's widths say that same layout: a conv's input (``src_block``),
+  its residual (the dst layout), a pool's input (``block``), a concat's pieces (all alike), a
   copy member of a ``concat_convs`` block (the block's layout);
 
 and reports every other reader (a TVM kernel, a weight role, a reader whose flags say plain,
-the function's result). A 4-d tensor with ``C % 16 == 0`` and 1x1 spatial has the same bytes
+the function's result). A 4-d tensor with ``C % B == 0`` and 1x1 spatial has the same bytes
 in both layouts and is read by anyone. :func:`check_layouts` raises on the first problems.
 """
 
@@ -25,16 +25,24 @@ from ...errors import BuildError
 from ...relax._ir import is_primitive, op_name, relax_functions, static_shape
 from . import abi
 
-BLOCKED, PLAIN = "nChw16c", "nchw"
+PLAIN = abi.layout_name(0)
 
 
-def _same_bytes(var) -> bool:
+def _width(layout: Optional[str]) -> int:
+    """The block width of a layout name (``nChw8c``: 8; ``nchw``: 0)."""
+    return int(layout[4:-1]) if layout and layout != PLAIN else 0
+
+
+def _same_bytes(var, *layouts) -> bool:
+    """``var`` has the same bytes in all ``layouts`` (1x1 spatial, C a multiple of each width)."""
     shape = static_shape(var)
-    return shape is not None and len(shape) == 4 and shape[1] % abi.BLOCK == 0 and shape[2] * shape[3] == 1
+    if shape is None or len(shape) != 4 or shape[2] * shape[3] != 1:
+        return False
+    return all(shape[1] % w == 0 for w in map(_width, layouts) if w)
 
 
-def _flag(blocked) -> str:
-    return BLOCKED if blocked else PLAIN
+def _flag(width: int) -> str:
+    return abi.layout_name(width)
 
 
 def verify_layouts(mod) -> list[str]:
@@ -64,8 +72,8 @@ def _verify(func: relax.Function) -> list[str]:
     def expect(expr, want: str, reader: str) -> None:
         have = of(expr)
         if isinstance(have, tuple):  # a call's pieces, read whole
-            have = BLOCKED if BLOCKED in have else PLAIN
-        if have is not None and have != want and not _same_bytes(expr):
+            have = next((p for p in have if p != PLAIN), PLAIN)
+        if have is not None and have != want and not _same_bytes(expr, have, want):
             problems.append(f"{expr.name} is {have}, read by {reader} as {want}")
 
     def read_plain(expr, reader: str) -> None:
@@ -112,36 +120,37 @@ def layout_of_call(bound: abi.Bound, var, layout: dict, expect, problems: list) 
             expect(getattr(args, role), PLAIN, f"{reader}'s {role}")
     if call.conv:
         for x in args.inputs:
-            expect(x, _flag(attrs.src_blocked), reader)
+            expect(x, _flag(attrs.src_block), reader)
         if args.residual is not None:
-            expect(args.residual, _flag(attrs.dst_bit(0)), f"{reader}'s residual")
+            expect(args.residual, _flag(attrs.dst_block_of(0)), f"{reader}'s residual")
         if isinstance(var.ty, relax.TupleType):
-            layout[var] = tuple(_flag(attrs.dst_bit(j)) for j in range(len(var.ty.fields)))
+            layout[var] = tuple(_flag(attrs.dst_block_of(j)) for j in range(len(var.ty.fields)))
         else:
-            layout[var] = _flag(attrs.dst_bit(0))
+            layout[var] = _flag(attrs.dst_block_of(0))
     elif call is abi.POOL2D:
-        expect(args.input, _flag(attrs.blocked), reader)
-        layout[var] = _flag(attrs.blocked)
+        expect(args.input, _flag(attrs.block), reader)
+        layout[var] = _flag(attrs.block)
     elif call is abi.TO_BLOCKED:
         expect(args.input, PLAIN, reader)
-        layout[var] = BLOCKED
+        layout[var] = _flag(attrs.block)
     elif call is abi.CONCAT:
-        seen = {layout.get(x) for x in args.inputs if isinstance(x, relax.Var) and not _same_bytes(x)} - {None}
+        seen = {layout.get(x) for x in args.inputs if isinstance(x, relax.Var) and not _same_bytes(x, layout.get(x))}
+        seen -= {None}
         if len(seen) > 1:
             problems.append(f"{reader} joins pieces of both layouts")
         layout[var] = seen.pop() if seen else PLAIN
     elif call is abi.CONCAT_CONVS:
-        block = _flag(attrs.blocked)
+        block = _flag(attrs.block)
         for member, inner in args.members:
             if member.kind == abi.COPY:
                 expect(inner.args.input, block, f"{reader}'s copy member")
                 continue
             for x in inner.args.inputs:
-                expect(x, _flag(inner.attrs.src_blocked), f"{reader}'s conv member")
+                expect(x, _flag(inner.attrs.src_block), f"{reader}'s conv member")
             if inner.args.residual is not None:
-                expect(inner.args.residual, _flag(inner.attrs.dst_bit(0)), f"{reader}'s conv member's residual")
-            if _flag(inner.attrs.dst_bit(0)) != block:
-                problems.append(f"{reader}: a conv member writes {_flag(inner.attrs.dst_bit(0))} into a {block} block")
+                expect(inner.args.residual, _flag(inner.attrs.dst_block_of(0)), f"{reader}'s conv member's residual")
+            if _flag(inner.attrs.dst_block_of(0)) != block:
+                problems.append(f"{reader}: a conv member writes {_flag(inner.attrs.dst_block_of(0))} into a {block} block")
         layout[var] = block
     else:  # dense and anything plain
         for x in args.inputs:
