@@ -257,7 +257,7 @@ def test_no_layer_gets_a_reference_kernel_and_blocked_layouts_use_the_block_widt
 
 @needs_onednn
 def test_attrs_with_an_unknown_block_width_are_refused():
-    attrs = [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0]  # src_block 1: the old flag, not a width
+    attrs = ConvAttrs().replace(src_block=1)  # the old 0/1 flag, not a width (replace() does not check)
     with pytest.raises(Exception, match="block width must be 0, 8 or 16, got 1"):
         onednn.implementation([1, 16, 8, 8], [16, 16, 3, 3], attrs, residual=False)
 
