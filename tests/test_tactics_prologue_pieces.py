@@ -105,6 +105,7 @@ def _pieces_into_block(seed: int):
 
 
 def test_a_prologue_reading_pieces_writes_its_channels_of_another_concat():
+    from tvm_layerfuse.compile.tactics import abi
     from tvm_layerfuse.compile.tactics.onednn_inplace import library_writes
 
     model = _pieces_into_block(seed=41)
@@ -112,8 +113,9 @@ def test_a_prologue_reading_pieces_writes_its_channels_of_another_concat():
     mod, ex, report, _, _ = _build(model, pieces=True)
     bindings = {b.var: b.value for block in mod["main"].body.blocks for b in block.bindings}
     (block,) = [v for v, name, _ in _calls(mod) if name == onednn.CONCAT_CONVS]
-    spec = [int(s) for s in bindings[block].args[1].fields[0].values]
-    assert spec[1::2] == [2, 0], spec  # the prologue conv writes channels [0, 32), a is copied to [32, 48)
+    spec = abi.ConcatSpec.from_shape(abi.parse_call(bindings[block]).args.attrs)
+    # the prologue conv writes channels [0, 32) (reading a and c: 2 + 5 arguments), a is copied to [32, 48)
+    assert [(m.kind, m.offset, m.nargs) for m in spec.members] == [(abi.CONV_PRE, 0, 7), (abi.COPY, 32, 1)], spec
     writes = library_writes(bindings[block])
     assert writes.scratch == 48 * 12 * 12 * 4 and writes.copied == 16 * 12 * 12 * 4, writes  # a and c, normalised
     # the executable's count agrees: a's copy and the head's concat of the pooled 48 + 16 features

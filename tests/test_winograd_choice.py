@@ -11,7 +11,7 @@ import pytest
 from tvm import relax
 
 from graphs import Net
-from tvm_layerfuse.compile.tactics import onednn
+from tvm_layerfuse.compile.tactics import abi, onednn
 from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
 from tvm_layerfuse.relax.pipeline import fuse_with_report
 
@@ -30,13 +30,13 @@ def _model():
 
 
 def _conv_algorithms(mod) -> list[int]:
-    """The algorithm attribute of every oneDNN conv call (attrs[14]: 0 direct, 1 Winograd)."""
+    """The algorithm attribute of every oneDNN conv call (ConvAttrs.algorithm: 0 direct, 1 Winograd)."""
     found = []
 
     def visit(e):
-        if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.call_dps_packed":
-            if e.args[0].global_symbol.startswith("layerfuse.onednn.conv2d"):
-                found.append(int(list(e.args[1].fields)[-1].values[14]))
+        bound = abi.parse_call(e)
+        if bound is not None and bound.call.conv:
+            found.append(bound.attrs.algorithm)
 
     for _, func in mod.functions.items():
         if isinstance(func, relax.Function):

@@ -658,7 +658,8 @@ def is_data_movement(func) -> bool:
         if isinstance(value, ir.TensorLoad):
             return True
         if isinstance(value, ir.Call) and isinstance(value.op, ir.Op) and value.op.name == _IF_THEN_ELSE:
-            return movement(value.args[1]) and movement(value.args[2])
+            _, then, otherwise = value.args  # if_then_else(cond, then, otherwise)
+            return movement(then) and movement(otherwise)
         return False
 
     stores = _stores(func.body)

@@ -329,13 +329,14 @@ def _report_module(mod: tvm.IRModule) -> dict[str, Any]:
         if isinstance(e.op, tvm.ir.GlobalVar) and isinstance(mod[e.op], tvm.tirx.PrimFunc):
             calls.append((e.op, list(e.args)))
         elif isinstance(e.op, tvm.ir.Op) and e.op.name == _ALLOC_STORAGE:
-            size = e.args[0]
+            size, *_ = e.args
             storage.append(int(np.prod([int(v) for v in size.values], dtype=np.int64)))
         elif isinstance(e.op, tvm.ir.Op) and e.op.name == _ALLOC_TENSOR:
             ty = e.ty
             unplanned.append(_shape_bytes(ty.shape, ty.dtype))
         elif isinstance(e.op, tvm.ir.Op) and e.op.name in ("relax.call_tir", "relax.call_tir_inplace"):
-            calls.append((e.args[0], list(e.args[1].fields)))
+            callee, call_args, *_ = e.args
+            calls.append((callee, list(call_args.fields)))
 
     relax.analysis.post_order_visit(main.body, visit)
     concat = fused = split = copied = convs = 0
@@ -414,30 +415,23 @@ def _ints(entry: str) -> Optional[list[int]]:
     return [int(v) for v in m.group(1).replace(" ", "").split(",") if v]
 
 
-# tactic-library calls (R.call_dps_packed) that copy their inputs into a concatenation
-_LIBRARY_COPY_CONCATS = ("layerfuse.onednn.concat",)
-# ... whose pieces convs write in place, except members of kind 0 (copies); see onednn_conv.cc
-_LIBRARY_CONCAT_CONVS = "layerfuse.onednn.concat_convs"
-_MEMBER_ARGS = {0: 1, 1: 4, 3: 5}  # arguments per member kind; kind 2 (x_1..x_k, s, t, w, b, attrs): up to its attrs
+def _concat_convs_copies(spec: list[int], args: list[str], tensor_bytes: dict) -> int:
+    """Bytes the copy members of a ``concat_convs`` call copy (``spec``: its
+    :class:`..compile.tactics.abi.ConcatSpec` values; ``args``: the members' arguments)."""
+    from ..compile.tactics import abi  # (here: compile imports lowering)
 
-
-def _concat_convs_copies(spec: list[int], args: list[str], tensor_bytes: dict, is_shape) -> int:
-    """Bytes the copy members of a ``concat_convs`` call copy (spec: blocked, kind, offset, ...;
-    ``is_shape(arg)``: the argument is a shape constant, the attrs that end a kind-2 member)."""
     copied, a = 0, 0
-    for kind in spec[1::2]:
-        if kind == 0 and a < len(args):
-            copied += tensor_bytes.get(args[a], 0)
-        if kind == 2:
-            while a < len(args) and not is_shape(args[a]):
-                a += 1
-            a += 1
-        else:
-            a += _MEMBER_ARGS.get(kind, 1)
+    for member in abi.ConcatSpec.from_shape(spec).members:
+        if member.kind == abi.COPY:
+            copied += sum(tensor_bytes.get(x, 0) for x in args[a : a + member.nargs])
+        a += member.nargs
     return copied
 
 
 def _report_executable(ex) -> dict[str, Any]:
+    from ..compile.tactics import abi  # the tactic library's calls (here: compile imports lowering)
+
+    library_copy_concats = (abi.CONCAT.name,)  # calls that copy their inputs into a concatenation
     pool = _constant_pool(ex)
     text = ex.as_text()
     main = text.split("\n\n", 1)[0] if text.startswith("@main") else text
@@ -455,21 +449,24 @@ def _report_executable(ex) -> dict[str, Any]:
             continue
         name, args, dst = m.group(1), [a.strip() for a in m.group(2).split(",") if a.strip()], m.group(3)
         if name == "vm.builtin.alloc_storage":
-            size = _ints(const(args[1]) or "")
+            _, size_arg, *_ = args
+            size = _ints(const(size_arg) or "")
             storage.append(int(np.prod(size)) if size else 0)
-        elif name == "vm.builtin.alloc_tensor":
+        elif name == "vm.builtin.alloc_tensor" and len(args) == 4:
             # alloc_tensor(storage, offset, shape, dtype): every tensor lives in a planned storage
-            shape = _ints(const(args[2]) or "") if len(args) == 4 else None
+            _, _, shape_arg, dtype_arg = args
+            shape = _ints(const(shape_arg) or "")
             if shape is not None:
-                tensor_bytes[dst] = _shape_bytes(shape, const(args[3]) or "float32")
+                tensor_bytes[dst] = _shape_bytes(shape, const(dtype_arg) or "float32")
         elif not name.startswith("vm."):
             kernels += 1
-            if _is_copy_concat_name(name) or name in _LIBRARY_COPY_CONCATS:
+            if _is_copy_concat_name(name) or name in library_copy_concats:
                 concat += 1
                 copied += tensor_bytes.get(args[-1], 0)
-            elif name == _LIBRARY_CONCAT_CONVS:  # convs write in place; its copy members copy
-                spec = _ints(const(args[0]) or "") or []
-                copied += _concat_convs_copies(spec, args[1:-1], tensor_bytes, lambda a: _ints(const(a) or "") is not None)
+            elif name == abi.CONCAT_CONVS.name:  # convs write in place; its copy members copy
+                spec_arg, *members, _out = args
+                spec = _ints(const(spec_arg) or "") or []
+                copied += _concat_convs_copies(spec, members, tensor_bytes)
             elif "concatenate" in name:
                 fused += 1
             elif re.fullmatch(r"(fused_)?split\d*(_inplace\d*)?", name):

@@ -56,12 +56,12 @@ class SplitReport(Report):
 
 def plain_call_tir(expr) -> Optional[tuple[tvm.ir.GlobalVar, list]]:
     """``(gv, args)`` of ``call_tir(gv, (args...))`` with a literal argument tuple, no TIR vars."""
-    if op_name(expr) != _CALL_TIR or len(expr.args) != 2 or not isinstance(expr.args[1], relax.Tuple):
+    if op_name(expr) != _CALL_TIR or len(expr.args) != 2:
         return None
-    gv = expr.args[0]
-    if not isinstance(gv, tvm.ir.GlobalVar):
+    gv, args = expr.args
+    if not isinstance(gv, tvm.ir.GlobalVar) or not isinstance(args, relax.Tuple):
         return None
-    return gv, list(expr.args[1].fields)
+    return gv, list(args.fields)
 
 
 def var_uses(func: relax.Function) -> dict:
@@ -178,9 +178,9 @@ class SplitOutputBuffers:
         return relax.DataflowBlock(bindings, block.span)
 
     def _rewrite_one(self, name, binding, split_gv, split_args, split, bound, uses, mod, bb):
-        if len(split_args) != 1 or not isinstance(split_args[0], relax.DataflowVar):
+        (y,) = split_args if len(split_args) == 1 else (None,)
+        if not isinstance(y, relax.DataflowVar):
             return "the split does not read one dataflow variable"
-        y = split_args[0]
         if y not in bound:
             return f"{y.name} is not bound in this dataflow block"
         if uses.get(y, 0) != 1:

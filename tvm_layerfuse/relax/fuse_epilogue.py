@@ -46,7 +46,7 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, rewrite_call, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
-from ._ir import FunctionFacts, is_primitive, relax_functions, static_shape
+from ._ir import FunctionFacts, is_primitive, op_name, relax_functions, static_shape
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,10 @@ def template_name(*, bias: bool, residual: Optional[str], activation: Optional[s
 
 
 def _activation_patterns(z: DFPattern) -> dict[str, list[tuple[DFPattern, dict[str, DFPattern]]]]:
-    """Each activation of ``z`` as alternative patterns with their annotated operands."""
-    lo, hi = wildcard(), wildcard()
-    lo1, hi1 = wildcard(), wildcard()
+    """Each activation of ``z`` as alternative patterns with their annotated operands: ``act``
+    (the activation's last call) and the constants it reads (``lo``/``hi``: clip bounds;
+    ``hs_*``: HardSwish's; ``hsig_*``: HardSigmoid's; ``gelu_*``: the erf form's), so that a
+    tactic reading the group (:func:`match_group`) can check their values."""
     sig = is_op("relax.sigmoid")(z)
     div = is_op("relax.divide")
 
@@ -96,37 +97,58 @@ def _activation_patterns(z: DFPattern) -> dict[str, list[tuple[DFPattern, dict[s
     def add(a: DFPattern, b: DFPattern) -> DFPattern:
         return is_op("relax.add")(a, b) | is_op("relax.add")(b, a)
 
-    def clipped(e: DFPattern) -> DFPattern:  # R.clip, or minimum(maximum()) of a Clip with inputs
-        return is_op("relax.clip")(e, wildcard(), wildcard()) | is_op("relax.minimum")(
-            is_op("relax.maximum")(e, wildcard()), wildcard()
-        )
+    def clipped(e: DFPattern, lo: DFPattern, hi: DFPattern) -> DFPattern:  # R.clip, or minimum(maximum())
+        return is_op("relax.clip")(e, lo, hi) | is_op("relax.minimum")(is_op("relax.maximum")(e, lo), hi)
 
-    hardsigmoid = clipped(add(mul(wildcard(), z), wildcard()))  # clip(a*z + b, 0, 1)
-    relu6_plus3 = clipped(add(z, wildcard()))  # clip(z + 3, 0, 6)
-    erf_half = add(is_op("relax.erf")(div(z, wildcard())), wildcard())  # erf(z / √2) + 1
+    def hardsigmoid(tag: str):  # clip(a*z + b, lo, hi) and its operands
+        a, b, lo, hi = wildcard(), wildcard(), wildcard(), wildcard()
+        return clipped(add(mul(a, z), b), lo, hi), {f"{tag}_a": a, f"{tag}_b": b, f"{tag}_lo": lo, f"{tag}_hi": hi}
+
+    def relu6_plus3():  # clip(z + 3, 0, 6)
+        three, lo, hi = wildcard(), wildcard(), wildcard()
+        return clipped(add(z, three), lo, hi), {"hs_add": three, "hs_lo": lo, "hs_hi": hi}
+
+    def erf_half():  # erf(z / √2) + 1
+        root2, one = wildcard(), wildcard()
+        return add(is_op("relax.erf")(div(z, root2)), one), {"gelu_sqrt2": root2, "gelu_one": one}
+
+    def act(pattern: DFPattern, notes: Optional[dict] = None) -> tuple[DFPattern, dict]:
+        return pattern, {**(notes or {}), "act": pattern}
+
+    lo, hi = wildcard(), wildcard()
+    lo1, hi1 = wildcard(), wildcard()
+    clip_lo, clip_hi = wildcard(), wildcard()
+    hsig, hsig_notes = hardsigmoid("hsig")
+    hs1, hs1_notes = relu6_plus3()
+    hs2, hs2_notes = relu6_plus3()
+    hs3, hs3_notes = hardsigmoid("hs")
+    six1, six2 = wildcard(), wildcard()
+    erf1, erf1_notes = erf_half()
+    erf2, erf2_notes = erf_half()
+    half1, half2 = wildcard(), wildcard()
     return {
-        "relu": [(is_op("relax.nn.relu")(z), {})],
-        "leakyrelu": [(is_op("relax.nn.leakyrelu")(z), {})],
-        "silu": [(is_op("relax.multiply")(z, sig), {}), (is_op("relax.nn.silu")(z), {})],
-        "sigmoid": [(sig, {})],
-        "hardsigmoid": [(hardsigmoid, {})],
+        "relu": [act(is_op("relax.nn.relu")(z))],
+        "leakyrelu": [act(is_op("relax.nn.leakyrelu")(z))],
+        "silu": [act(is_op("relax.multiply")(z, sig)), act(is_op("relax.nn.silu")(z))],
+        "sigmoid": [act(sig)],
+        "hardsigmoid": [act(hsig, hsig_notes)],
         "hardswish": [
-            (mul(z, div(relu6_plus3, wildcard())), {}),  # the HardSwish op as TVM imports it
-            (div(mul(z, relu6_plus3), wildcard()), {}),  # x * Clip(x + 3, 0, 6) / 6
-            (mul(z, hardsigmoid), {}),  # x * HardSigmoid(x)
+            act(mul(z, div(hs1, six1)), {**hs1_notes, "hs_div": six1}),  # the HardSwish op as TVM imports it
+            act(div(mul(z, hs2), six2), {**hs2_notes, "hs_div": six2}),  # x * Clip(x + 3, 0, 6) / 6
+            act(mul(z, hs3), hs3_notes),  # x * HardSigmoid(x)
         ],
-        "prelu": [(is_op("relax.nn.prelu")(z, wildcard()), {})],
+        "prelu": [act(is_op("relax.nn.prelu")(z, wildcard()))],
         "gelu": [
-            (is_op("relax.nn.gelu")(z), {}),
-            (is_op("relax.nn.gelu_tanh")(z), {}),
-            (mul(mul(z, erf_half), wildcard()), {}),  # (x * (1 + erf(x/√2))) * 0.5
-            (mul(mul(z, wildcard()), erf_half), {}),  # (x * 0.5) * (1 + erf(x/√2))
+            act(is_op("relax.nn.gelu")(z)),
+            act(is_op("relax.nn.gelu_tanh")(z)),
+            act(mul(mul(z, erf1), half1), {**erf1_notes, "gelu_half": half1}),  # (x * (1 + erf(x/√2))) * 0.5
+            act(mul(mul(z, half2), erf2), {**erf2_notes, "gelu_half": half2}),  # (x * 0.5) * (1 + erf(x/√2))
         ],
         "clip": [
-            (is_op("relax.minimum")(is_op("relax.maximum")(z, lo), hi), {"lo": lo, "hi": hi}),
-            (is_op("relax.clip")(z, wildcard(), wildcard()), {}),
-            (is_op("relax.maximum")(z, lo1), {"lo": lo1}),
-            (is_op("relax.minimum")(z, hi1), {"hi": hi1}),
+            act(is_op("relax.minimum")(is_op("relax.maximum")(z, lo), hi), {"lo": lo, "hi": hi}),
+            act(is_op("relax.clip")(z, clip_lo, clip_hi), {"lo": clip_lo, "hi": clip_hi}),
+            act(is_op("relax.maximum")(z, lo1), {"lo": lo1}),
+            act(is_op("relax.minimum")(z, hi1), {"hi": hi1}),
         ],
     }
 
@@ -176,6 +198,81 @@ def _chain_patterns(bias: bool, residual: Optional[str], activation: Optional[st
             yield gated, {**notes, **extra, "residual": r, "residual_op": gated}
         else:
             yield pattern, {**notes, **extra}
+
+
+_TEMPLATES = {
+    template_name(bias=b, residual=r, activation=a): (b, r, a)
+    for b in (True, False)
+    for r in (None, *RESIDUALS)
+    for a in (None, *ACTIVATIONS)
+    if b or r is not None or a is not None
+}
+
+
+@dataclass(frozen=True)
+class GroupMatch:
+    """What one epilogue group computes, from the pass's own patterns (:func:`match_group`):
+    its template's parts and the group's expressions by annotation name (``conv``, ``data``,
+    ``weight``, ``bias``, ``residual``, ``act``, and the activation's operands: ``lo``/``hi``,
+    ``hs_*``, ``hsig_*``, ``gelu_*``; see :func:`_activation_patterns`)."""
+
+    template: str
+    bias: bool
+    residual: Optional[str]
+    activation: Optional[str]
+    notes: Mapping[str, relax.Expr]
+
+
+def match_group(func: relax.Function, *, template: Optional[str] = None, root: Optional[relax.Expr] = None) -> Optional[GroupMatch]:
+    """The match of an epilogue group function (``{"Composite": template}``, made by this pass)
+    against this pass's patterns, or None when its body is none of them. Its own template is
+    tried first; a group that :class:`.absorb_elementwise.AbsorbElementwiseConsumers` extended
+    (element-wise consumers joined it) is then matched against every template, longest first.
+    ``root``: the expression to match (default: the function's result); ``template`` defaults
+    to the function's ``Composite`` attribute."""
+    if template is None:
+        template = str((func.attrs or {}).get("Composite", ""))
+    var2val = relax.analysis.get_var2val(func)
+    if root is None:
+        root = func.body.body
+    while isinstance(root, relax.Var) and root in var2val:
+        root = var2val[root]
+    own = [entry for entry in _all_patterns() if entry[0] == template]
+    others = [entry for entry in _all_patterns() if entry[0] != template]
+    for name, parts, pattern, notes in own + others:
+        matched = pattern.extract_matched_expr(root, var2val)
+        if matched is None or not _whole(func, root, matched):
+            continue
+        found = {key: matched[p] for key, p in notes.items() if p in matched}
+        return GroupMatch(name, *parts, found)
+    return None
+
+
+_PATTERNS: list = []
+
+
+def _all_patterns() -> list:
+    """(template, (bias, residual, activation), pattern, notes) of every template, longest first
+    (built once)."""
+    if not _PATTERNS:
+        entries = []
+        for name, parts in _TEMPLATES.items():
+            size = sum(p is not None and p is not False for p in parts)
+            for k, (pattern, notes) in enumerate(_chain_patterns(*parts)):
+                entries.append((-size, k, name, parts, pattern, notes))
+        entries.sort(key=lambda e: (e[0], e[1]))
+        _PATTERNS.extend((name, parts, pattern, notes) for _, _, name, parts, pattern, notes in entries)
+    return _PATTERNS
+
+
+def _whole(func: relax.Function, root, matched) -> bool:
+    """Every binding of ``func`` (from its conv on) is part of the match: nothing else computed."""
+    values = set(matched.values())
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    start = next((i for i, b in enumerate(bindings) if op_name(b.value) == "relax.nn.conv2d"), None)
+    if start is None:
+        return False
+    return all(b.value in values for b in bindings[start:] if isinstance(b.value, relax.Call))
 
 
 def _bind_check(check, name, bias, residual, activation):

@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import statistics
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
@@ -118,9 +119,19 @@ class Runtime:
                 f"library {manifest['library']!r} of artifact {str(self.path)!r} cannot be loaded: "
                 f"{first_line(e)}"
             ) from None
-        self._vm = vm_runtime.VirtualMachine(lib, self.device)
-        self._params = self._load_params(tvm)
+        self._lib = lib
+        self._make_vm = vm_runtime.VirtualMachine
+        self._threads = threading.local()  # each thread's VirtualMachine (a VM is not thread-safe)
+        self._vm()  # this thread's, now: a library that cannot start fails at load
+        self._params = self._load_params(tvm)  # one copy, shared by every thread's VM (read only)
         self._tvm = tvm
+
+    def _vm(self):
+        """This thread's VirtualMachine of the artifact's library (made on its first run)."""
+        vm = getattr(self._threads, "vm", None)
+        if vm is None:
+            vm = self._threads.vm = self._make_vm(self._lib, self.device)
+        return vm
 
     def _load_params(self, tvm) -> list[Any]:
         spec = self.manifest.get("params") or {}
@@ -135,10 +146,12 @@ class Runtime:
         return [self._tvm.runtime.tensor(contiguous(v), self.device) for v in values] + self._params
 
     def run(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        """Run one inference; returns ``{output name: array}``."""
+        """Run one inference; returns ``{output name: array}``. Safe to call from several
+        threads at once, as onnxruntime's ``InferenceSession.run``: each thread runs its own
+        VirtualMachine over the one copy of the weights."""
         args = self._arguments(inputs)  # inputs checked against the manifest here
         try:
-            result = self._vm["main"](*args)
+            result = self._vm()["main"](*args)
         except (ValueError, TypeError) as e:
             # The inputs fit the manifest, so the library refused the weights (or the manifest):
             # the artifact's files do not belong together.
@@ -154,7 +167,7 @@ class Runtime:
 
     def benchmark(self, inputs: Inputs, *, number: int = 1, repeat: int = 10, min_repeat_ms: int = 0) -> dict[str, float]:
         """Latency of ``main`` with TVM's time_evaluator: median, min, max in milliseconds."""
-        timer = self._vm.time_evaluator("main", self.device, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
+        timer = self._vm().time_evaluator("main", self.device, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
         res = timer(*self._arguments(inputs))
         times = [t * 1e3 for t in res.results]
         return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeat": len(times)}

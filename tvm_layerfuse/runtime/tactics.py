@@ -81,17 +81,59 @@ def check_cpu(manifest: dict[str, Any], *, flags: Optional[set[str]] = None, pat
         )
 
 
+def loaded_abi_version() -> Optional[int]:
+    """The calling-contract version of the oneDNN tactic library this process runs (its
+    functions are process-wide), or None when none is loaded. A library from before the
+    version was exported counts as version 1."""
+    import tvm_ffi
+
+    f = tvm_ffi.get_global_func("layerfuse.onednn.abi_version", allow_missing=True)
+    if f is not None:
+        return int(f())
+    return 1 if tvm_ffi.get_global_func("layerfuse.onednn.conv2d", allow_missing=True) is not None else None
+
+
 def load_tactics(path: Path, manifest: dict[str, Any]) -> list[str]:
-    """Load the tactic libraries the artifact at ``path`` carries; returns their names."""
+    """Load the tactic libraries the artifact at ``path`` carries; returns their names.
+
+    The library's functions are global to the process, so an artifact whose library follows
+    another calling contract (``abi_version`` in the manifest) than the one already loaded is
+    refused in one line rather than run with the other library's code. After a load the
+    library's cached layers are dropped (:func:`release_layers`): the new weights may sit
+    where an unloaded model's were."""
     tactics = manifest.get("tactics") or {}
     libraries = tactics.get("libraries") or []
     loaded = []
     for entry in libraries:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             raise ArtifactError(f"manifest of {str(path)!r} has a malformed tactics entry {str(entry)[:80]}; re-run `compile`")
+        want = entry.get("abi_version", 1)
+        have = loaded_abi_version()
+        if have is not None and have != want:
+            raise ArtifactError(
+                f"artifact {str(path)!r} carries a tactic library of ABI version {want}, but this process already runs "
+                f"version {have} (another artifact or compile); load it in a process of its own, or re-run `compile`"
+            )
         load_library(Path(path) / entry["file"], needs=entry.get("needs") or [], install=entry.get("install"), artifact=path)
+        got = loaded_abi_version()
+        if got != want:
+            raise ArtifactError(
+                f"tactic library {entry['file']!r} of artifact {str(path)!r} is ABI version {got}, its manifest says "
+                f"{want}; the files do not belong together - re-run `compile`"
+            )
+        release_layers()
         loaded.append(entry["file"])
     return loaded
+
+
+def release_layers() -> None:
+    """Drop the oneDNN tactic library's cached layers (they are made again, from the weights
+    of the call, on first use)."""
+    import tvm_ffi
+
+    f = tvm_ffi.get_global_func("layerfuse.onednn.release", allow_missing=True)
+    if f is not None:
+        f()
 
 
 def environment_lib_dirs() -> list[Path]:

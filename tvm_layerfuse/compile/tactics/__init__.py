@@ -47,7 +47,7 @@ class TacticPlan:
         return dict(Counter(c.tactic for c in self.layers))
 
     def manifest(self) -> dict[str, Any]:
-        from . import onednn
+        from . import abi, onednn
 
         libraries = []
         if self.library is not None:
@@ -57,6 +57,7 @@ class TacticPlan:
                     "needs": [onednn.SONAME],
                     "install": onednn.INSTALL,
                     "built_against": onednn.installation().to_dict(),  # version, source, library path
+                    "abi_version": abi.ABI_VERSION,  # the calling contract; checked at load
                 }
             )
         return {

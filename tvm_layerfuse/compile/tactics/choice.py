@@ -19,6 +19,7 @@ class LayerChoice:
     shape: str = ""  # "x[1,64,56,56] w[64,64,3,3]"
     layout: str = ""  # "nchw>nChw16c" (or nChw8c): the src and dst bytes in the graph, when "onednn"
     timing: str = ""  # "direct 5.84 ms, winograd 2.15 ms": the algorithm choice, when timed
+    id: int = -1  # the layer id its library calls carry (abi.ConvAttrs.layer), when "onednn"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

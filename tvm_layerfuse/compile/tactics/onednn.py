@@ -35,7 +35,6 @@ import hashlib
 import logging
 import os
 import site
-import struct
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ...errors import BuildError
+from . import abi
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +55,16 @@ INSTALL = f"pip install {PYPI_RUNTIME}"
 INSTALL_DEV = f"pip install {PYPI_DEVEL}"
 ROOT_VARIABLE = "TVM_LAYERFUSE_ONEDNN_ROOT"
 LIBRARY_FILE = "tactics_onednn.so"  # its name inside an artifact
-FUNCTIONS = {
-    "conv2d": "layerfuse.onednn.conv2d",
-    "conv2d_add": "layerfuse.onednn.conv2d_add",
-    "conv2d_pre": "layerfuse.onednn.conv2d_pre",
-}
-CONV2D_ADD_INPLACE = "layerfuse.onednn.conv2d_add_inplace"  # called from TIR (onednn_inplace.residuals_in_place)
-TO_BLOCKED = "layerfuse.onednn.to_blocked"
-CONCAT = "layerfuse.onednn.concat"
-CONCAT_CONVS = "layerfuse.onednn.concat_convs"
-POOL = "layerfuse.onednn.pool2d"
-DENSE = "layerfuse.onednn.dense"
-POOL_ALGORITHMS = {"max": 0, "avg_include_pad": 1, "avg": 2}
+# the library's functions, by the registry of :mod:`.abi` (these names stay for callers)
+FUNCTIONS = {c.key: c.name for c in abi.CONVS}
+CONV2D_ADD_INPLACE = abi.CONV2D_ADD_INPLACE.name  # called from TIR (onednn_inplace.residuals_in_place)
+TO_BLOCKED = abi.TO_BLOCKED.name
+CONCAT = abi.CONCAT.name
+CONCAT_CONVS = abi.CONCAT_CONVS.name
+POOL = abi.POOL2D.name
+DENSE = abi.DENSE.name
+POOL_ALGORITHMS = abi.POOL_ALGORITHMS
+float_bits = abi.float_bits
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,8 @@ def _header_version(path: Path) -> Optional[tuple[int, int, int]]:
     return (found["MAJOR"], found["MINOR"], found["PATCH"]) if len(found) == 3 else None
 
 
-_FLAGS = ("-O2", "-DNDEBUG", "-fopenmp")  # OpenMP: time_conv's thread count, the prologue's loop
+# OpenMP: time_conv's thread count, the prologue's loop; hidden: two copies in a process never bind to each other
+_FLAGS = ("-O2", "-DNDEBUG", "-fopenmp", "-fvisibility=hidden")
 
 
 def installation() -> Installation:
@@ -173,8 +172,8 @@ def build_extension() -> Path:
     import tvm_ffi
     import tvm_ffi.cpp
 
-    # the cache key: the source, the oneDNN it links, and tvm-ffi (its headers and ABI)
-    key = SOURCE.read_bytes() + repr((str(found.lib_dir), found.version, tvm_ffi.__version__, _FLAGS)).encode()
+    # the cache key: the source, the oneDNN it links, tvm-ffi (its headers and ABI), the flags, the ABI version
+    key = SOURCE.read_bytes() + repr((str(found.lib_dir), found.version, tvm_ffi.__version__, _FLAGS, abi.ABI_VERSION)).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("TVM_LAYERFUSE_CACHE", Path.home() / ".cache" / "tvm_layerfuse")) / f"onednn-{digest}"
     out = cache / "layerfuse_onednn.so"
@@ -205,9 +204,15 @@ def build_extension() -> Path:
 @lru_cache(maxsize=1)
 def load() -> Path:
     """Build the extension and load it into this process (registers its global functions)."""
-    from ...runtime.tactics import load_library
+    from ...runtime.tactics import load_library, loaded_abi_version
 
     path = build_extension()
+    have = loaded_abi_version()
+    if have is not None and have != abi.ABI_VERSION:
+        raise BuildError(
+            f"this process already runs a oneDNN tactic library of ABI version {have} (an artifact's); the compiler's is "
+            f"version {abi.ABI_VERSION} - compile in a process of its own"
+        )
     try:
         load_library(path, needs=[SONAME], install=INSTALL, search=[installation().lib_dir])
     except Exception as e:
@@ -222,9 +227,9 @@ def version() -> str:
     return str(tvm_ffi.get_global_func("layerfuse.onednn.version")())
 
 
-def float_bits(value: float) -> int:
-    """The bits of float32 ``value`` as a non-negative integer (a shape entry of ``attrs``)."""
-    return int(struct.unpack("<I", struct.pack("<f", float(value)))[0])
+def _values(attrs) -> list[int]:
+    """An attrs record (or already its values) as the integers the library reads."""
+    return attrs.values() if hasattr(attrs, "values") and callable(attrs.values) else [int(v) for v in attrs]
 
 
 @lru_cache(maxsize=1)
@@ -240,24 +245,12 @@ def block_width() -> int:
     return int(tvm_ffi.get_global_func("layerfuse.onednn.block_width")())
 
 
-DST_BLOCK_BITS = 5  # a conv's dst_block: out_j's block width in bits [5j, 5j + 5)
-MAX_BLOCKED_OUTPUTS = 64 // DST_BLOCK_BITS - 1  # 11: outputs beyond stay plain
-
-
-def dst_block(widths: Sequence[int]) -> int:
-    """A conv's ``dst_block`` attr: output j's block width (0 plain, 8, 16) in its bits
-    ``[5j, 5j + 5)``; one output: its width."""
-    return sum(int(w) << (DST_BLOCK_BITS * j) for j, w in enumerate(widths) if j <= MAX_BLOCKED_OUTPUTS)
-
-
-def dst_block_of(flags: int, j: int) -> int:
-    """Output j's block width in a conv's ``dst_block`` attr (see :func:`dst_block`)."""
-    return (int(flags) >> (DST_BLOCK_BITS * j)) & ((1 << DST_BLOCK_BITS) - 1) if j <= MAX_BLOCKED_OUTPUTS else 0
-
-
-def layout_name(width: int) -> str:
-    """``nchw`` for 0, ``nChw8c`` / ``nChw16c`` for a block width."""
-    return f"nChw{int(width)}c" if width else "nchw"
+# the block widths in attrs: the contract's (abi.py)
+DST_BLOCK_BITS = abi.DST_BLOCK_BITS
+MAX_BLOCKED_OUTPUTS = abi.MAX_BLOCKED_OUTPUTS
+dst_block = abi.dst_block
+dst_block_of = abi.dst_block_of
+layout_name = abi.layout_name
 
 
 def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool) -> str:
@@ -266,7 +259,7 @@ def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequen
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.implementation")
-    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs)]
+    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, _values(attrs))]
     return str(f(*shapes, bool(residual)))
 
 
@@ -279,7 +272,7 @@ def time_conv(
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.time_conv")
-    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, attrs_a, attrs_b)]
+    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, _values(attrs_a), _values(attrs_b))]
     a, b = f(*shapes, bool(residual), int(reps))
     return float(a), float(b)
 
@@ -298,4 +291,4 @@ def pool_implementation(x_shape: Sequence[int], out_shape: Sequence[int], attrs:
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.pool_implementation")
-    return str(f(*[tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, out_shape, attrs)]))
+    return str(f(*[tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, out_shape, _values(attrs))]))

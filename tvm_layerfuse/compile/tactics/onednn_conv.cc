@@ -19,14 +19,17 @@
 //       never written; k is found from attrs, the first Shape argument
 //
 //   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
-//   attrs = (stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right, dilation_h,
-//            dilation_w, groups, act, src_block, dst_block, alpha, beta, algorithm); act: 0 none,
-//   1 relu (alpha: negative slope, i.e. LeakyRelu), 2 clip [alpha, beta], 3 silu
-//   (x * sigmoid(x)), 4 sigmoid; alpha and beta are the bits of a float32 (an integer shape
-//   entry costs the VM nothing, a float argument a kernel launch each); src_block is x's block
-//   width B (0 plain NCHW, 8 nChw8c, 16 nChw16c, see Layouts), dst_block packs out_j's width
-//   in its bits [5j, 5j + 5) (one output: dst_block is its width); algorithm: 0 direct, 1 Winograd (oneDNN's F(4x4, 3x3) or F(2x2, 3x3)
-//   kernels: 3x3, stride 1, fewer multiplies, chosen per layer by timing at compile time).
+//   attrs: enum ConvField below (abi.ConvAttrs): strides, paddings (top, left, bottom, right),
+//   dilations, groups, act, src_block, dst_block, alpha, beta, algorithm, layer; act: enum
+//   Activation (abi.ACTIVATIONS), its post-ops in kActivations: relu (alpha: negative slope,
+//   i.e. LeakyRelu), clip [alpha, beta], silu, sigmoid, hardswish, hardsigmoid (alpha * x +
+//   beta clipped to [0, 1]), gelu (erf or tanh); alpha and beta are the bits of a float32;
+//   src_block is x's block width B (0 plain NCHW, 8 nChw8c, 16 nChw16c, see Layouts),
+//   dst_block packs out_j's width in its bits [5j, 5j + 5) (one output: dst_block is its
+//   width); algorithm: 0 direct, 1 Winograd (oneDNN's F(4x4, 3x3) or F(2x2, 3x3) kernels:
+//   3x3, stride 1, fewer multiplies, chosen per layer by timing at compile time); layer: the
+//   layer's id in its module, assigned at compile time. Strides, dilations and groups below 1
+//   and block widths other than 0, 8, 16 are refused.
 //   The BatchNorm of the layer is already folded into w and b.
 //
 // Layouts. A tensor's bytes are plain NCHW, or - when its producer and all its readers are
@@ -53,11 +56,12 @@
 //       the contiguous range [c_i * H * W, (c_i + C_i) * H * W) of out - in NCHW, and in
 //       nChwBc too when every c_i and C_i is a multiple of B (all pieces in one layout)
 //   layerfuse.onednn.concat_convs (spec, a_1, ..., a_m, out)   a concat (batch 1) whose pieces
-//       are convs (and copies) writing their channel ranges of out directly (see ConcatConvs)
+//       are convs (and copies) writing their channel ranges of out directly (see ConcatConvs;
+//       spec: abi.ConcatSpec, each member with its kind, offset and argument count)
 //   layerfuse.onednn.dense       (x, w, b, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
 //   layerfuse.onednn.pool2d      (x, attrs, out)
-//       attrs = (alg, kh, kw, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right,
-//       block); alg: 0 max, 1 average counting the padding, 2 average over the input
+//       attrs: enum PoolField (abi.PoolAttrs: alg, kernel, strides, paddings, block); alg: 0 max,
+//       1 average counting the padding, 2 average over the input
 //       elements only; out's size decides the right/bottom padding oneDNN adds (ceil_mode);
 //       x and out both in nChwBc when block = B != 0, else both NCHW
 //
@@ -84,14 +88,23 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <atomic>
 #include <mutex>
+#include <shared_mutex>
 #include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+// Everything below has internal linkage (an anonymous namespace; the library is also built with
+// -fvisibility=hidden): two copies of this library in one process - the compiler's and an
+// artifact's, or two artifacts' - never bind to each other's code or caches. What a process
+// sees of a copy is only the global functions it registers (the last copy loaded serves them;
+// the loader refuses a copy of another abi_version, see runtime/tactics.py).
 namespace layerfuse_onednn {
+namespace {
 
 using tvm::ffi::Shape;
 using tvm::ffi::String;
@@ -109,6 +122,34 @@ float FloatBits(int64_t v) {
   return f;
 }
 
+// The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
+// below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
+// together and raise kAbiVersion with abi.ABI_VERSION.
+constexpr int64_t kAbiVersion = 3;
+
+// ConvAttrs: a conv's attrs
+enum ConvField : int {
+  kStrideH, kStrideW, kPadTop, kPadLeft, kPadBottom, kPadRight, kDilationH, kDilationW, kGroups, kAct,
+  kSrcBlock, kDstBlock, kAlphaBits, kBetaBits, kAlgorithm, kLayer, kConvFieldCount
+};
+// PoolAttrs: a pool's attrs
+enum PoolField : int {
+  kAlg, kKernelH, kKernelW, kPoolStrideH, kPoolStrideW, kPoolPadTop, kPoolPadLeft, kPoolPadBottom, kPoolPadRight,
+  kPoolBlock, kPoolFieldCount
+};
+// ToBlockedAttrs: to_blocked's attrs
+enum ToBlockedField : int { kBlock, kToBlockedFieldCount };
+// ConcatSpec: (block, then per member these fields)
+enum MemberField : int { kKind, kOffset, kNargs, kMemberFieldCount };
+// the arguments of conv2d (abi.CONV2D.roles; its outputs follow) and of conv2d_add_inplace
+// (abi.CONV2D_ADD_INPLACE.roles; the attrs follow as integers)
+enum Conv2dArg : int { kConv2dInput, kConv2dWeight, kConv2dBias, kConv2dAttrs, kConv2dArgCount };
+enum Conv2dAddInplaceArg : int { kInplaceInput, kInplaceWeight, kInplaceBias, kInplaceResidual, kInplaceArgCount };
+// ACTIVATIONS: the activation codes; their post-ops are kActivations below, in this order
+enum Activation : int {
+  kNone, kRelu, kClip, kSilu, kSigmoid, kHardswish, kHardsigmoid, kGeluErf, kGeluTanh, kActivationCount
+};
+
 // The block width of a blocked layout: 8 (nChw8c) or 16 (nChw16c); 0 is plain NCHW.
 void CheckBlock(int64_t block) {
   if (block != 0 && block != 8 && block != 16)
@@ -120,7 +161,7 @@ tag Blocked(int64_t block) {
   return block == 16 ? tag::nChw16c : tag::nChw8c;
 }
 
-// out_j's block width from a conv's dst_block (5 bits per output)
+// out_j's block width from a conv's dst_block (abi.DST_BLOCK_BITS = 5 bits per output)
 int64_t DstBlock(int64_t dst_block, size_t j) {
   const int64_t block = j < 12 ? (dst_block >> (5 * j)) & 31 : 0;
   CheckBlock(block);
@@ -131,21 +172,109 @@ struct Attrs {
   int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_block, dst_block;
   float alpha, beta;
   int64_t algorithm;  // 0 direct, 1 Winograd
+  int64_t layer;      // the layer's id in its module
   static Attrs From(const Shape& a) {
-    if (a.size() != 15) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have 15 entries, got " << a.size();
-    if (a[14] != 0 && a[14] != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown conv algorithm " << a[14];
-    CheckBlock(a[10]);
-    return Attrs{{a[0], a[1]}, {a[2], a[3]}, {a[4], a[5]}, {a[6], a[7]}, a[8], a[9], a[10], a[11],
-                 FloatBits(a[12]), FloatBits(a[13]), a[14]};
+    if (a.size() != kConvFieldCount)
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have " << kConvFieldCount << " entries, got " << a.size();
+    if (a[kAlgorithm] != 0 && a[kAlgorithm] != 1)
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown conv algorithm " << a[kAlgorithm];
+    if (a[kAct] < 0 || a[kAct] >= kActivationCount)
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << a[kAct];
+    for (int f : {kStrideH, kStrideW, kDilationH, kDilationW, kGroups})
+      if (a[f] < 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv attrs need strides, dilations and groups >= 1";
+    for (int f : {kPadTop, kPadLeft, kPadBottom, kPadRight, kLayer})
+      if (a[f] < 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv attrs need paddings and a layer id >= 0";
+    CheckBlock(a[kSrcBlock]);
+    return Attrs{{a[kStrideH], a[kStrideW]}, {a[kPadTop], a[kPadLeft]}, {a[kPadBottom], a[kPadRight]},
+                 {a[kDilationH], a[kDilationW]}, a[kGroups], a[kAct], a[kSrcBlock], a[kDstBlock],
+                 FloatBits(a[kAlphaBits]), FloatBits(a[kBetaBits]), a[kAlgorithm], a[kLayer]};
   }
 };
 
-// The engine and the layers live until the process ends and are never destroyed: static
+// The post-ops of each activation (index: its code). alpha and beta: the attrs' values where
+// `use` says so, else the fixed ones given. A second eltwise (hardsigmoid: linear, then clip
+// to [0, 1]) follows where `then` is set.
+struct PostOp {
+  bool used;
+  dnnl::algorithm alg;
+  bool attrs_alpha, attrs_beta;  // take alpha / beta from the attrs
+  float alpha, beta;
+  bool then;
+  dnnl::algorithm then_alg;
+  float then_alpha, then_beta;
+};
+const PostOp kActivations[kActivationCount] = {
+    /* kNone        */ {false, dnnl::algorithm::eltwise_relu, false, false, 0.f, 0.f, false, dnnl::algorithm::eltwise_relu, 0.f, 0.f},
+    /* kRelu        */ {true, dnnl::algorithm::eltwise_relu, true, false, 0.f, 0.f, false, dnnl::algorithm::eltwise_relu, 0.f, 0.f},
+    /* kClip        */ {true, dnnl::algorithm::eltwise_clip, true, true, 0.f, 0.f, false, dnnl::algorithm::eltwise_relu, 0.f, 0.f},
+    /* kSilu        */ {true, dnnl::algorithm::eltwise_swish, false, false, 1.f, 0.f, false, dnnl::algorithm::eltwise_relu, 0.f, 0.f},
+    /* kSigmoid     */ {true, dnnl::algorithm::eltwise_logistic, false, false, 0.f, 0.f, false, dnnl::algorithm::eltwise_relu, 0.f, 0.f},
+    /* kHardswish   */ {true, dnnl::algorithm::eltwise_hardswish, false, false, 0.f, 0.f, false, dnnl::algorithm::eltwise_relu, 0.f, 0.f},
+    /* kHardsigmoid */ {true, dnnl::algorithm::eltwise_linear, true, true, 0.f, 0.f, true, dnnl::algorithm::eltwise_clip, 0.f, 1.f},
+    /* kGeluErf     */ {true, dnnl::algorithm::eltwise_gelu_erf, false, false, 0.f, 0.f, false, dnnl::algorithm::eltwise_relu, 0.f, 0.f},
+    /* kGeluTanh    */ {true, dnnl::algorithm::eltwise_gelu_tanh, false, false, 0.f, 0.f, false, dnnl::algorithm::eltwise_relu, 0.f, 0.f},
+};
+
+void AppendActivation(dnnl::post_ops& ops, const Attrs& at) {
+  if (at.act < 0 || at.act >= kActivationCount) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << at.act;
+  const PostOp& p = kActivations[at.act];
+  if (!p.used) return;
+  ops.append_eltwise(1.f, p.alg, p.attrs_alpha ? at.alpha : p.alpha, p.attrs_beta ? at.beta : p.beta);
+  if (p.then) ops.append_eltwise(1.f, p.then_alg, p.then_alpha, p.then_beta);
+}
+
+// The engine and the caches live until the process ends and are never destroyed: static
 // destructors at exit would otherwise free primitives after the engine (or oneDNN) is gone.
 dnnl::engine& Engine() {
   static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
   return *engine;
 }
+
+// Threads. Several threads (or several VMs, or several modules) call this library at once, with
+// no process-wide lock on the way: the primitives and the reordered weights of a layer are made
+// once and shared read-only (oneDNN primitives execute concurrently), found in a cache under a
+// reader lock; what a call writes besides its outputs - the stream, the scratchpad (every
+// primitive runs with scratchpad_mode::user), the reorder buffers of plain src/dst and the
+// prologue's scratch - belongs to the calling thread.
+dnnl::stream& Stream() {
+  thread_local dnnl::stream* stream = new dnnl::stream(Engine());
+  return *stream;
+}
+
+dnnl::primitive_attr UserScratchpad() {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+// The calling thread's scratchpad for a primitive whose scratchpad is `md` (grown as needed;
+// valid until the thread's next call of Scratchpad).
+dnnl::memory Scratchpad(const dnnl::memory::desc& md) {
+  thread_local std::vector<char>* buf = new std::vector<char>();
+  const size_t n = md.get_size();
+  if (buf->size() < n + 64) buf->resize(n + 64);
+  char* p = buf->data();
+  p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+  return dnnl::memory(md, Engine(), p);
+}
+
+void Execute(const dnnl::primitive& prim, const dnnl::memory::desc& scratchpad, std::unordered_map<int, dnnl::memory> args) {
+  if (scratchpad.get_size() > 0) args[DNNL_ARG_SCRATCHPAD] = Scratchpad(scratchpad);
+  prim.execute(Stream(), args);
+}
+
+// A reorder from `a` to `b` (descs), with a user scratchpad.
+struct Reorder {
+  dnnl::reorder::primitive_desc pd;
+  dnnl::reorder prim;
+  Reorder() = default;
+  Reorder(const dnnl::memory::desc& a, const dnnl::memory::desc& b)
+      : pd(Engine(), a, Engine(), b, UserScratchpad()), prim(pd) {}
+  void operator()(void* from, void* to) const {
+    Execute(prim, pd.scratchpad_desc(),
+            {{DNNL_ARG_FROM, dnnl::memory(pd.src_desc(), Engine(), from)}, {DNNL_ARG_TO, dnnl::memory(pd.dst_desc(), Engine(), to)}});
+  }
+};
 
 dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
 
@@ -171,20 +300,26 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
                                     {at.pad_r[0], at.pad_r[1]});
   dnnl::post_ops ops;
   if (residual) ops.append_sum(1.f);
-  switch (at.act) {
-    case 0: break;
-    case 1: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_relu, at.alpha, 0.f); break;
-    case 2: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_clip, at.alpha, at.beta); break;
-    case 3: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_swish, 1.f, 0.f); break;
-    case 4: ops.append_eltwise(1.f, dnnl::algorithm::eltwise_logistic, 0.f, 0.f); break;
-    default: TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << at.act;
-  }
-  dnnl::primitive_attr attr;
+  AppendActivation(ops, at);
+  dnnl::primitive_attr attr = UserScratchpad();
   attr.set_post_ops(ops);
   return dnnl::convolution_forward::primitive_desc(d, attr, Engine());
 }
 
+std::vector<float> Fingerprint(const float* w, int64_t n) {
+  std::vector<float> f;
+  for (int k = 0; k < kFingerprint && n > 0; ++k) f.push_back(w[(n - 1) * k / (kFingerprint - 1)]);
+  return f;
+}
+
+// One conv layer (or one row range of a merged one) as made for its weights: immutable once
+// made, shared by every thread that runs the layer.
 struct Layer {
+  uint64_t serial;  // unique in the process: the key of each thread's buffers for this layer
+  dims x, wdims;    // what it was made for (checked on every call)
+  std::vector<int64_t> attrs;
+  bool residual;
+  int64_t dst_block;
   dnnl::convolution_forward::primitive_desc pd;
   dnnl::convolution_forward prim;
   dnnl::memory weights;  // in pd.weights_desc(), owned
@@ -192,14 +327,34 @@ struct Layer {
   // plain NCHW <-> the primitive's layout, for a src/dst that is plain in the graph
   dnnl::memory::desc src_plain, dst_plain;
   bool src_reorder = false, dst_reorder = false;
-  dnnl::memory src_buf, dst_buf;  // owned, in pd.src_desc() / pd.dst_desc()
-  dnnl::reorder src_in, dst_in, dst_out;
+  Reorder src_in, dst_in, dst_out;
 };
 
-std::vector<float> Fingerprint(const float* w, int64_t n) {
-  std::vector<float> f;
-  for (int k = 0; k < kFingerprint && n > 0; ++k) f.push_back(w[(n - 1) * k / (kFingerprint - 1)]);
-  return f;
+// The layers, found by the layer id the compiler gave the call (attrs' `layer`) and the address
+// of the rows' weights (two modules, or two row ranges of one merged conv, differ there); what
+// a layer was made for is compared on every call, with a fingerprint of the weights (new
+// weights at a reused address are reordered again). ReleaseLayers() drops them all (a module
+// is loaded: its weights may sit where an unloaded module's were).
+struct LayerKey {
+  int64_t layer;
+  const void* weights;
+  bool operator==(const LayerKey& o) const { return layer == o.layer && weights == o.weights; }
+};
+struct LayerKeyHash {
+  size_t operator()(const LayerKey& k) const {
+    return std::hash<int64_t>()(k.layer) * 31 + std::hash<const void*>()(k.weights);
+  }
+};
+using LayerMap = std::unordered_map<LayerKey, std::shared_ptr<const Layer>, LayerKeyHash>;
+
+std::shared_mutex& CacheMutex() {
+  static std::shared_mutex* mu = new std::shared_mutex();
+  return *mu;
+}
+
+LayerMap& Layers() {
+  static auto* layers = new LayerMap();
+  return *layers;
 }
 
 const float* Data(const TensorView& t) {
@@ -214,16 +369,6 @@ void CheckTensor(const TensorView& t, int ndim, const char* what) {
   if (!t.IsContiguous()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: " << what << " must be contiguous";
 }
 
-std::mutex& Mutex() {
-  static std::mutex* mu = new std::mutex();
-  return *mu;
-}
-
-std::unordered_map<std::string, std::unique_ptr<Layer>>& Layers() {
-  static auto* layers = new std::unordered_map<std::string, std::unique_ptr<Layer>>();
-  return *layers;
-}
-
 // The rows [o, o + O) of a conv's weights and bias: one piece of a merged conv (or all of it).
 struct Rows {
   const float* w;  // [O, C/groups, kh, kw]
@@ -231,46 +376,87 @@ struct Rows {
   dims wdims;
 };
 
-Layer& Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs, bool residual, int64_t dst_block) {
-  std::ostringstream key;
-  key << (residual ? "sum:" : "") << static_cast<const void*>(rows.w) << ':' << dst_block;
-  for (int i = 0; i < 4; ++i) key << ':' << x[i] << ',' << rows.wdims[i];
-  for (int64_t v : attrs) key << ';' << v;
-  const int64_t wn = rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3];
-  auto& layers = Layers();
-  auto it = layers.find(key.str());
-  if (it != layers.end() && it->second->fingerprint == Fingerprint(rows.w, wn)) return *it->second;
-  auto layer = std::make_unique<Layer>();
+std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const Attrs& at, const std::vector<int64_t>& attrs,
+                                       bool residual, int64_t dst_block, const std::vector<float>& fingerprint) {
+  static std::atomic<uint64_t> serials{0};
+  auto layer = std::make_shared<Layer>();
+  layer->serial = ++serials;
+  layer->x = x;
+  layer->wdims = rows.wdims;
+  layer->attrs = attrs;
+  layer->residual = residual;
+  layer->dst_block = dst_block;
   layer->pd = MakeDesc(x, rows.wdims, at, residual, dst_block);
   layer->prim = dnnl::convolution_forward(layer->pd);
   // the weights, once, into the layout the primitive prefers
   const dims& w = rows.wdims;
   dims plain = at.groups == 1 ? w : dims{at.groups, w[0] / at.groups, w[1], w[2], w[3]};
   dnnl::memory::desc user(plain, dt::f32, at.groups == 1 ? tag::oihw : tag::goihw);
-  dnnl::memory src(user, Engine(), const_cast<float*>(rows.w));
   layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
-  dnnl::stream s(Engine());
-  dnnl::reorder(src, layer->weights).execute(s, src, layer->weights);
-  s.wait();
-  layer->fingerprint = Fingerprint(rows.w, wn);
-  // plain activations: reorders into and out of the primitive's layout, buffers kept
+  Reorder(user, layer->pd.weights_desc())(const_cast<float*>(rows.w), layer->weights.get_data_handle());
+  Stream().wait();
+  layer->fingerprint = fingerprint;
+  // plain activations: reorders into and out of the primitive's layout (buffers: per thread)
   const dnnl::memory::desc src_md = layer->pd.src_desc(), dst_md = layer->pd.dst_desc();
   layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
   layer->dst_plain = dnnl::memory::desc(dst_md.dims(), dt::f32, tag::nchw);
   layer->src_reorder = !at.src_block && src_md != layer->src_plain;
   layer->dst_reorder = !dst_block && dst_md != layer->dst_plain;
-  if (layer->src_reorder) {
-    layer->src_buf = dnnl::memory(src_md, Engine());
-    layer->src_in = dnnl::reorder(dnnl::memory(layer->src_plain, Engine(), nullptr), layer->src_buf);
-  }
+  if (layer->src_reorder) layer->src_in = Reorder(layer->src_plain, src_md);
   if (layer->dst_reorder) {
-    layer->dst_buf = dnnl::memory(dst_md, Engine());
-    layer->dst_in = dnnl::reorder(dnnl::memory(layer->dst_plain, Engine(), nullptr), layer->dst_buf);
-    layer->dst_out = dnnl::reorder(layer->dst_buf, dnnl::memory(layer->dst_plain, Engine(), nullptr));
+    layer->dst_in = Reorder(layer->dst_plain, dst_md);
+    layer->dst_out = Reorder(dst_md, layer->dst_plain);
   }
-  Layer& ref = *layer;
-  layers[key.str()] = std::move(layer);
-  return ref;
+  return layer;
+}
+
+std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs, bool residual,
+                                 int64_t dst_block) {
+  const int64_t wn = rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3];
+  const std::vector<float> fingerprint = Fingerprint(rows.w, wn);
+  const std::vector<int64_t> values(attrs.begin(), attrs.end());
+  const LayerKey key{at.layer, rows.w};
+  {
+    std::shared_lock<std::shared_mutex> lock(CacheMutex());
+    auto it = Layers().find(key);
+    if (it != Layers().end()) {
+      const Layer& l = *it->second;
+      if (l.fingerprint == fingerprint && l.x == x && l.wdims == rows.wdims && l.attrs == values && l.residual == residual &&
+          l.dst_block == dst_block)
+        return it->second;
+    }
+  }
+  auto layer = MakeLayer(x, rows, at, values, residual, dst_block, fingerprint);  // no lock held while it is made
+  std::unique_lock<std::shared_mutex> lock(CacheMutex());
+  Layers()[key] = layer;
+  return layer;
+}
+
+// Drop every cached layer (and dense layer): their weights are reordered again on first use.
+// Layers that a running call holds live until it returns.
+void ReleaseDense();
+void ReleaseLayers() {
+  {
+    std::unique_lock<std::shared_mutex> lock(CacheMutex());
+    Layers().clear();
+  }
+  ReleaseDense();
+}
+
+// The calling thread's reorder buffers of a layer (plain src / dst in the primitive's layout).
+struct Buffers {
+  dnnl::memory src, dst;
+};
+Buffers& ThreadBuffers(const Layer& layer) {
+  thread_local auto* buffers = new std::unordered_map<uint64_t, Buffers>();
+  auto it = buffers->find(layer.serial);
+  if (it == buffers->end()) {
+    Buffers b;
+    if (layer.src_reorder) b.src = dnnl::memory(layer.pd.src_desc(), Engine());
+    if (layer.dst_reorder) b.dst = dnnl::memory(layer.pd.dst_desc(), Engine());
+    it = buffers->emplace(layer.serial, std::move(b)).first;
+  }
+  return it->second;
 }
 
 // A destination: a whole output tensor, or the channel range of a concat block it fills.
@@ -285,42 +471,37 @@ int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * blo
 
 View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
 
-// One conv (rows of a merged one, or all of it) from x into out, with the mutex held.
-// r: the residual (out's shape), or null.
+// One conv (rows of a merged one, or all of it) from x into out. r: the residual (out's
+// shape), or null.
 void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& at, const Shape& attrs,
              const float* r, const View& out, int64_t dst_block) {
-  Layer& layer = Get(x_dims, rows, at, attrs, r != nullptr, dst_block);
+  const std::shared_ptr<const Layer> held = Get(x_dims, rows, at, attrs, r != nullptr, dst_block);
+  const Layer& layer = *held;
   for (int i = 0; i < 4; ++i) {
     if (out.shape[i] != layer.pd.dst_desc().dims()[i])
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
   }
   float* dst_ptr = out.data;
-  dnnl::stream s(Engine());
+  Buffers& buf = ThreadBuffers(layer);
   dnnl::memory src, dst;
   if (layer.src_reorder) {
-    dnnl::memory user(layer.src_plain, Engine(), const_cast<float*>(x));
-    layer.src_in.execute(s, user, layer.src_buf);
-    src = layer.src_buf;
+    layer.src_in(const_cast<float*>(x), buf.src.get_data_handle());
+    src = buf.src;
   } else {
     src = dnnl::memory(layer.pd.src_desc(), Engine(), const_cast<float*>(x));
   }
   if (layer.dst_reorder) {
-    dst = layer.dst_buf;
-    if (r) {  // the residual, in the primitive's layout, for the sum post-op
-      dnnl::memory user(layer.dst_plain, Engine(), const_cast<float*>(r));
-      layer.dst_in.execute(s, user, dst);
-    }
+    dst = buf.dst;
+    if (r) layer.dst_in(const_cast<float*>(r), dst.get_data_handle());  // the residual, for the sum post-op
   } else {
     dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
     if (r && r != dst_ptr) std::memcpy(dst_ptr, r, sizeof(float) * out.numel());
   }
   dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(rows.b));
-  layer.prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, layer.weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
-  if (layer.dst_reorder) {
-    dnnl::memory user(layer.dst_plain, Engine(), dst_ptr);
-    layer.dst_out.execute(s, dst, user);
-  }
-  s.wait();
+  Execute(layer.prim, layer.pd.scratchpad_desc(),
+          {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, layer.weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
+  if (layer.dst_reorder) layer.dst_out(dst.get_data_handle(), dst_ptr);
+  Stream().wait();
 }
 
 // The prologue of a pre-activation layer (DenseNet's BatchNorm + ReLU before the conv):
@@ -390,12 +571,12 @@ dims InputDims(const Input& in) {
   return d;
 }
 
-// relu(concat(pieces) * s + t) into the scratch for dims d (see the prologue above), mutex held.
+// relu(concat(pieces) * s + t) into the calling thread's scratch for dims d (see the prologue above).
 const float* RunPre(const Input& in, const dims& d, int64_t block) {
   const int64_t N = d[0], C = d[1], HW = d[2] * d[3];
   if (in.sc->numel() != C || in.sh->numel() != C)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: prologue scale/shift length != input channels";
-  static auto* scratch = new std::unordered_map<std::string, dnnl::memory>();
+  thread_local auto* scratch = new std::unordered_map<std::string, dnnl::memory>();
   std::ostringstream key;
   for (auto e : d) key << e << ',';
   key << block;
@@ -434,8 +615,8 @@ const float* RunPre(const Input& in, const dims& d, int64_t block) {
   return out;
 }
 
-// The conv of one call (mutex held): the input (its prologue first), w, b [, r] into the views outs.
-void RunLocked(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
+// The conv of one call: the input (its prologue first), w, b [, r] into the views outs.
+void RunConv(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
                const std::vector<View>& outs) {
   dims x_dims = InputDims(in);
   CheckTensor(w, 4, "weight");
@@ -478,8 +659,7 @@ void Run(const Input& in, const TensorView& w, const TensorView& b, const Tensor
     views.push_back(ViewOf(t));
   }
   try {
-    std::lock_guard<std::mutex> lock(Mutex());
-    RunLocked(in, w, b, r, attrs, views);
+    RunConv(in, w, b, r, attrs, views);
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
@@ -497,11 +677,11 @@ int PreAttrsAt(const tvm::ffi::PackedArgs& args, int first, const char* who) {
 
 // conv2d(x, w, b, attrs, out_1, ..., out_k)
 void Conv2d(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
-  if (args.size() < 5) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d: expected (x, w, b, attrs, out...)";
+  if (args.size() < kConv2dArgCount + 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d: expected (x, w, b, attrs, out...)";
   std::vector<TensorView> outs;
-  for (int i = 4; i < args.size(); ++i) outs.push_back(args[i].cast<TensorView>());
-  Run(Input{{args[0].cast<TensorView>()}}, args[1].cast<TensorView>(), args[2].cast<TensorView>(), nullptr,
-      args[3].cast<Shape>(), outs);
+  for (int i = kConv2dArgCount; i < args.size(); ++i) outs.push_back(args[i].cast<TensorView>());
+  Run(Input{{args[kConv2dInput].cast<TensorView>()}}, args[kConv2dWeight].cast<TensorView>(),
+      args[kConv2dBias].cast<TensorView>(), nullptr, args[kConv2dAttrs].cast<Shape>(), outs);
 }
 
 void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape attrs, TensorView out) {
@@ -512,11 +692,13 @@ void Conv2dAdd(TensorView x, TensorView w, TensorView b, TensorView r, Shape att
 // integer arguments (the call comes from a TIR function that Relax calls with call_tir_inplace,
 // so memory planning knows out is r). The sum post-op reads r where it writes: no copy.
 void Conv2dAddInplace(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
-  if (args.size() < 5) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d_add_inplace: expected (x, w, b, r, attrs...)";
+  if (args.size() != kInplaceArgCount + kConvFieldCount)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.conv2d_add_inplace: expected (x, w, b, r, attrs...)";
   std::vector<int64_t> a;
-  for (int i = 4; i < args.size(); ++i) a.push_back(args[i].cast<int64_t>());
-  TensorView r = args[3].cast<TensorView>();
-  Run(Input{{args[0].cast<TensorView>()}}, args[1].cast<TensorView>(), args[2].cast<TensorView>(), &r, Shape(a.begin(), a.end()), {r});
+  for (int i = kInplaceArgCount; i < args.size(); ++i) a.push_back(args[i].cast<int64_t>());
+  TensorView r = args[kInplaceResidual].cast<TensorView>();
+  Run(Input{{args[kInplaceInput].cast<TensorView>()}}, args[kInplaceWeight].cast<TensorView>(),
+      args[kInplaceBias].cast<TensorView>(), &r, Shape(a.begin(), a.end()), {r});
 }
 
 // conv2d_pre(x_1, ..., x_k, s, t, w, b, attrs, out_1, ..., out_m): conv2d of
@@ -536,34 +718,35 @@ void Conv2dPre(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
 }
 
 // concat_convs(spec, a_1, ..., a_m, out): a channel concat whose pieces are made in place.
-// spec = (block, kind_1, offset_1, ..., kind_k, offset_k); member j writes the channels
-// [offset_j, offset_j + C_j) of out (batch 1: a contiguous range of out, in NCHW and - with
-// offsets and C_j multiples of block B - in nChwBc) and takes its arguments from a_*: kind 0
-// copy (x), 1 conv2d (x, w, b, attrs), 2 conv2d_pre (x_1, ..., x_k, s, t, w, b, attrs), 3
-// conv2d_add (x, w, b, r, attrs), as the functions above (a conv's dst_block says out's
-// layout).
+// spec = (block, then per member kind, offset, nargs: MemberField); member j writes the
+// channels [offset_j, offset_j + C_j) of out (batch 1: a contiguous range of out, in NCHW and
+// - with offsets and C_j multiples of block B - in nChwBc) and takes the next nargs_j
+// arguments: kind 0 copy (x), 1 conv2d (x, w, b, attrs), 2 conv2d_pre (x_1, ..., x_k, s, t,
+// w, b, attrs), 3 conv2d_add (x, w, b, r, attrs), as the functions above (a conv's dst_block
+// says out's layout).
 void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
   if (args.size() < 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: expected (spec, args..., out)";
-  const Shape spec = args[0].cast<Shape>();
+  enum ConcatConvsArg : int { kSpec, kMembers };  // (spec, the members' arguments..., out)
+  const Shape spec = args[kSpec].cast<Shape>();
   TensorView out = args[args.size() - 1].cast<TensorView>();
   CheckTensor(out, 4, "output");
   const int64_t C = out.shape()[1], H = out.shape()[2], W = out.shape()[3];
   if (out.shape()[0] != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: batch must be 1";
-  if (spec.size() < 1 || spec.size() % 2 != 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: bad spec";
+  if (spec.size() < 1 || (spec.size() - 1) % kMemberFieldCount != 0)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: bad spec";
   const int64_t block = spec[0];
   CheckBlock(block);
   float* base = const_cast<float*>(Data(out));
-  static const int kArgs[] = {1, 4, 0, 5};  // kind 2: counted from its attrs
-  int a = 1;  // next argument
+  static const int kFixed[] = {1, 4, 5, 5};  // arguments per member kind (kind 2: its pieces, plus 5)
+  int a = kMembers;  // next argument
   try {
-    std::lock_guard<std::mutex> lock(Mutex());
-    for (size_t m = 1; m + 1 < spec.size(); m += 2) {
-      const int64_t kind = spec[m], offset = spec[m + 1];
+    for (size_t m = 1; m + kMemberFieldCount <= spec.size(); m += kMemberFieldCount) {
+      const int64_t kind = spec[m + kKind], offset = spec[m + kOffset], n = spec[m + kNargs];
       if (kind < 0 || kind > 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: unknown member kind " << kind;
-      auto t = [&](int i) { return args[a + i].cast<TensorView>(); };
-      // kind 2: its attrs (the first Shape) says how many input pieces it has
-      const int n = kind == 2 ? PreAttrsAt(args, a, "layerfuse.onednn.concat_convs") - a + 1 : kArgs[kind];
+      if (kind == 2 ? n < kFixed[2] + 1 : n != kFixed[kind])
+        TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: member of kind " << kind << " with " << n << " arguments";
       if (a + n > args.size() - 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: spec does not match the arguments";
+      auto t = [&](int i) { return args[a + i].cast<TensorView>(); };
       const int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? n - 3 : 1).shape()[0];
       if (offset < 0 || offset + Cj > C || (block && (offset % block || Cj % block)))
         TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: piece does not fit the output";
@@ -574,17 +757,17 @@ void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
         if (x.numel() != view.numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: copy shape mismatch";
         std::memcpy(view.data, Data(x), sizeof(float) * x.numel());
       } else if (kind == 1) {
-        RunLocked(Input{{t(0)}}, t(1), t(2), nullptr, args[a + 3].cast<Shape>(), {view});
+        RunConv(Input{{t(0)}}, t(1), t(2), nullptr, args[a + 3].cast<Shape>(), {view});
       } else if (kind == 2) {
         Input in;
         for (int i = 0; i < n - 5; ++i) in.pieces.push_back(t(i));
         TensorView sc = t(n - 5), sh = t(n - 4);
         in.sc = &sc;
         in.sh = &sh;
-        RunLocked(in, t(n - 3), t(n - 2), nullptr, args[a + n - 1].cast<Shape>(), {view});
+        RunConv(in, t(n - 3), t(n - 2), nullptr, args[a + n - 1].cast<Shape>(), {view});
       } else {
         TensorView r = t(3);
-        RunLocked(Input{{t(0)}}, t(1), t(2), &r, args[a + 4].cast<Shape>(), {view});
+        RunConv(Input{{t(0)}}, t(1), t(2), &r, args[a + 4].cast<Shape>(), {view});
       }
       a += n;
     }
@@ -601,45 +784,53 @@ struct Pool {
 };
 
 dnnl::pooling_forward::primitive_desc PoolDesc(const dims& x, const dims& y, const Shape& a) {
-  if (a.size() != 10) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: attrs must have 10 entries, got " << a.size();
+  if (a.size() != kPoolFieldCount)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: attrs must have " << kPoolFieldCount << " entries, got " << a.size();
   static const dnnl::algorithm algs[] = {dnnl::algorithm::pooling_max, dnnl::algorithm::pooling_avg_include_padding,
                                          dnnl::algorithm::pooling_avg_exclude_padding};
-  if (a[0] < 0 || a[0] > 2) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: unknown algorithm " << a[0];
-  const int64_t kh = a[1], kw = a[2], sh = a[3], sw = a[4], pt = a[5], pl = a[6];
+  if (a[kAlg] < 0 || a[kAlg] > 2) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: unknown algorithm " << a[kAlg];
+  const int64_t kh = a[kKernelH], kw = a[kKernelW], sh = a[kPoolStrideH], sw = a[kPoolStrideW], pt = a[kPoolPadTop],
+                pl = a[kPoolPadLeft];
+  if (kh < 1 || kw < 1 || sh < 1 || sw < 1 || pt < 0 || pl < 0)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: attrs need kernel sizes and strides >= 1, paddings >= 0";
   // the bottom/right padding: the stated one, or more where out's size needs it (ceil_mode)
-  const int64_t pb = std::max(a[7], (y[2] - 1) * sh + kh - x[2] - pt);
-  const int64_t pr = std::max(a[8], (y[3] - 1) * sw + kw - x[3] - pl);
+  const int64_t pb = std::max(a[kPoolPadBottom], (y[2] - 1) * sh + kh - x[2] - pt);
+  const int64_t pr = std::max(a[kPoolPadRight], (y[3] - 1) * sw + kw - x[3] - pl);
   if ((x[2] + pt + pb - kh) / sh + 1 != y[2] || (x[3] + pl + pr - kw) / sw + 1 != y[3] || x[0] != y[0] || x[1] != y[1])
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pool2d: output shape does not match the pool";
-  const tag t = a[9] ? Blocked(a[9]) : tag::nchw;
+  const tag t = a[kPoolBlock] ? Blocked(a[kPoolBlock]) : tag::nchw;
   dnnl::memory::desc src(x, dt::f32, t), dst(y, dt::f32, t);
-  dnnl::pooling_forward::desc d(dnnl::prop_kind::forward_inference, algs[a[0]], src, dst, {sh, sw}, {kh, kw}, {pt, pl},
+  dnnl::pooling_forward::desc d(dnnl::prop_kind::forward_inference, algs[a[kAlg]], src, dst, {sh, sw}, {kh, kw}, {pt, pl},
                                 {pb, pr});
-  return dnnl::pooling_forward::primitive_desc(d, Engine());
+  return dnnl::pooling_forward::primitive_desc(d, UserScratchpad(), Engine());
 }
 
 void Pool2d(TensorView x, Shape attrs, TensorView out) {
   CheckTensor(x, 4, "input");
   CheckTensor(out, 4, "output");
   try {
-    std::lock_guard<std::mutex> lock(Mutex());
-    static auto* pools = new std::unordered_map<std::string, std::unique_ptr<Pool>>();
-    std::ostringstream key;
+    static auto* mu = new std::shared_mutex();
+    static auto* pools = new std::unordered_map<std::string, std::shared_ptr<const Pool>>();
+    std::ostringstream key;  // (made once per shape; a pool has no weights and no layer id)
     for (int i = 0; i < 4; ++i) key << x.shape()[i] << ',' << out.shape()[i] << ';';
     for (int64_t v : attrs) key << v << ';';
-    auto it = pools->find(key.str());
-    if (it == pools->end()) {
-      auto pool = std::make_unique<Pool>();
-      pool->pd = PoolDesc(Dims(x.shape().data(), 4), Dims(out.shape().data(), 4), attrs);
-      pool->prim = dnnl::pooling_forward(pool->pd);
-      it = pools->emplace(key.str(), std::move(pool)).first;
+    std::shared_ptr<const Pool> pool;
+    {
+      std::shared_lock<std::shared_mutex> lock(*mu);
+      auto it = pools->find(key.str());
+      if (it != pools->end()) pool = it->second;
     }
-    const Pool& pool = *it->second;
-    dnnl::stream s(Engine());
-    dnnl::memory src(pool.pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
-    dnnl::memory dst(pool.pd.dst_desc(), Engine(), const_cast<float*>(Data(out)));
-    pool.prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
-    s.wait();
+    if (!pool) {
+      auto made = std::make_shared<Pool>();
+      made->pd = PoolDesc(Dims(x.shape().data(), 4), Dims(out.shape().data(), 4), attrs);
+      made->prim = dnnl::pooling_forward(made->pd);
+      std::unique_lock<std::shared_mutex> lock(*mu);
+      pool = (*pools)[key.str()] = made;
+    }
+    dnnl::memory src(pool->pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
+    dnnl::memory dst(pool->pd.dst_desc(), Engine(), const_cast<float*>(Data(out)));
+    Execute(pool->prim, pool->pd.scratchpad_desc(), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
+    Stream().wait();
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
@@ -652,7 +843,30 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
 dnnl::matmul::primitive_desc DenseDesc(int64_t N, int64_t K, int64_t M) {
   dnnl::memory::desc src({N, K}, dt::f32, tag::ab), wei({K, M}, dt::f32, tag::any), bias({1, M}, dt::f32, tag::ab),
       dst({N, M}, dt::f32, tag::ab);
-  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, bias, dst), Engine());
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, bias, dst), UserScratchpad(), Engine());
+}
+
+struct DensePrim {
+  int64_t N, K, M;
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul prim;
+  dnnl::memory weights;  // in pd.weights_desc(), owned
+  std::vector<float> fingerprint;
+};
+
+std::shared_mutex& DenseMutex() {
+  static auto* mu = new std::shared_mutex();
+  return *mu;
+}
+
+std::unordered_map<const void*, std::shared_ptr<const DensePrim>>& DensePrims() {
+  static auto* prims = new std::unordered_map<const void*, std::shared_ptr<const DensePrim>>();
+  return *prims;
+}
+
+void ReleaseDense() {
+  std::unique_lock<std::shared_mutex> lock(DenseMutex());
+  DensePrims().clear();
 }
 
 void Dense(TensorView x, TensorView w, TensorView b, TensorView out) {
@@ -663,37 +877,34 @@ void Dense(TensorView x, TensorView w, TensorView b, TensorView out) {
   if (w.shape()[0] != K || b.numel() != M || out.shape()[0] != N || out.shape()[1] != M)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: shapes do not agree";
   try {
-    std::lock_guard<std::mutex> lock(Mutex());
-    struct Prim {
-      dnnl::matmul::primitive_desc pd;
-      dnnl::matmul prim;
-      dnnl::memory weights;  // in pd.weights_desc(), owned
-      std::vector<float> fingerprint;
-    };
-    static auto* prims = new std::unordered_map<std::string, std::unique_ptr<Prim>>();
-    std::ostringstream key;
-    key << N << ',' << K << ',' << M << ':' << static_cast<const void*>(Data(w));
-    auto it = prims->find(key.str());
-    if (it == prims->end() || it->second->fingerprint != Fingerprint(Data(w), K * M)) {
-      auto p = std::make_unique<Prim>();
-      p->pd = DenseDesc(N, K, M);
-      p->prim = dnnl::matmul(p->pd);
-      dnnl::memory user(dnnl::memory::desc({K, M}, dt::f32, tag::ab), Engine(), const_cast<float*>(Data(w)));
-      p->weights = dnnl::memory(p->pd.weights_desc(), Engine());
-      dnnl::stream s(Engine());
-      dnnl::reorder(user, p->weights).execute(s, user, p->weights);
-      s.wait();
-      p->fingerprint = Fingerprint(Data(w), K * M);
-      (*prims)[key.str()] = std::move(p);
-      it = prims->find(key.str());
+    const std::vector<float> fingerprint = Fingerprint(Data(w), K * M);
+    std::shared_ptr<const DensePrim> p;
+    {
+      std::shared_lock<std::shared_mutex> lock(DenseMutex());
+      auto it = DensePrims().find(Data(w));
+      if (it != DensePrims().end() && it->second->N == N && it->second->K == K && it->second->M == M &&
+          it->second->fingerprint == fingerprint)
+        p = it->second;
     }
-    const Prim& p = *it->second;
-    dnnl::stream s(Engine());
-    p.prim.execute(s, {{DNNL_ARG_SRC, dnnl::memory(p.pd.src_desc(), Engine(), const_cast<float*>(Data(x)))},
-                       {DNNL_ARG_WEIGHTS, p.weights},
-                       {DNNL_ARG_BIAS, dnnl::memory(p.pd.bias_desc(), Engine(), const_cast<float*>(Data(b)))},
-                       {DNNL_ARG_DST, dnnl::memory(p.pd.dst_desc(), Engine(), const_cast<float*>(Data(out)))}});
-    s.wait();
+    if (!p) {  // made without the lock held; the weights reordered once into the primitive's layout
+      auto made = std::make_shared<DensePrim>();
+      made->N = N, made->K = K, made->M = M;
+      made->pd = DenseDesc(N, K, M);
+      made->prim = dnnl::matmul(made->pd);
+      made->weights = dnnl::memory(made->pd.weights_desc(), Engine());
+      Reorder(dnnl::memory::desc({K, M}, dt::f32, tag::ab), made->pd.weights_desc())(const_cast<float*>(Data(w)),
+                                                                                      made->weights.get_data_handle());
+      Stream().wait();
+      made->fingerprint = fingerprint;
+      std::unique_lock<std::shared_mutex> lock(DenseMutex());
+      p = DensePrims()[Data(w)] = made;
+    }
+    Execute(p->prim, p->pd.scratchpad_desc(),
+            {{DNNL_ARG_SRC, dnnl::memory(p->pd.src_desc(), Engine(), const_cast<float*>(Data(x)))},
+             {DNNL_ARG_WEIGHTS, p->weights},
+             {DNNL_ARG_BIAS, dnnl::memory(p->pd.bias_desc(), Engine(), const_cast<float*>(Data(b)))},
+             {DNNL_ARG_DST, dnnl::memory(p->pd.dst_desc(), Engine(), const_cast<float*>(Data(out)))}});
+    Stream().wait();
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
@@ -723,29 +934,30 @@ String PoolImplementation(Shape x, Shape y, Shape attrs) {
 void ToBlocked(TensorView x, Shape attrs, TensorView out) {
   CheckTensor(x, 4, "input");
   CheckTensor(out, 4, "output");
-  if (attrs.size() != 1 || attrs[0] == 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.to_blocked: attrs must be (block,)";
-  const int64_t block = attrs[0];
+  if (attrs.size() != kToBlockedFieldCount || attrs[kBlock] == 0)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.to_blocked: attrs must be (block,) with block 8 or 16";
+  const int64_t block = attrs[kBlock];
   const tag blocked_tag = Blocked(block);
   if (x.shape()[1] % block != 0)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.to_blocked: channels % " << block << " != 0";
   try {
-    std::lock_guard<std::mutex> lock(Mutex());
-    static auto* reorders = new std::unordered_map<std::string, dnnl::reorder>();
+    static auto* mu = new std::shared_mutex();
+    static auto* reorders = new std::map<std::pair<dims, int64_t>, std::shared_ptr<const Reorder>>();
     dims d = Dims(x.shape().data(), 4);
-    dnnl::memory::desc plain(d, dt::f32, tag::nchw), blocked(d, dt::f32, blocked_tag);
-    std::ostringstream key;
-    for (auto v : d) key << v << ',';
-    key << block;
-    auto it = reorders->find(key.str());
-    if (it == reorders->end()) {
-      it = reorders->emplace(key.str(), dnnl::reorder(dnnl::memory(plain, Engine(), nullptr),
-                                                      dnnl::memory(blocked, Engine(), nullptr))).first;
+    const std::pair<dims, int64_t> key{d, block};
+    std::shared_ptr<const Reorder> reorder;
+    {
+      std::shared_lock<std::shared_mutex> lock(*mu);
+      auto it = reorders->find(key);
+      if (it != reorders->end()) reorder = it->second;
     }
-    dnnl::stream s(Engine());
-    dnnl::memory src(plain, Engine(), const_cast<float*>(Data(x)));
-    dnnl::memory dst(blocked, Engine(), const_cast<float*>(Data(out)));
-    it->second.execute(s, src, dst);
-    s.wait();
+    if (!reorder) {
+      auto made = std::make_shared<Reorder>(dnnl::memory::desc(d, dt::f32, tag::nchw), dnnl::memory::desc(d, dt::f32, blocked_tag));
+      std::unique_lock<std::shared_mutex> lock(*mu);
+      reorder = (*reorders)[key] = made;
+    }
+    (*reorder)(const_cast<float*>(Data(x)), const_cast<float*>(Data(out)));
+    Stream().wait();
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
@@ -797,7 +1009,8 @@ String Implementation(Shape x, Shape w, Shape attrs, bool residual) {
 tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b, bool residual, int64_t reps) {
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
-    std::lock_guard<std::mutex> lock(Mutex());
+    static auto* timing = new std::mutex();  // one timing at a time (the thread count is process-wide)
+    std::lock_guard<std::mutex> lock(*timing);
     // one thread from before the primitives are made: oneDNN fixes a kernel's thread count then
     struct OneThread {  // restored however this function ends
       int saved = omp_get_max_threads();
@@ -821,7 +1034,8 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
       const Attrs at = Attrs::From(*attrs);
       auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, DstBlock(at.dst_block, 0));
       timed.push_back(Timed{dnnl::convolution_forward(pd),
-                            {{DNNL_ARG_SRC, filled(pd.src_desc())},
+                            {{DNNL_ARG_SCRATCHPAD, dnnl::memory(pd.scratchpad_desc(), Engine())},
+                             {DNNL_ARG_SRC, filled(pd.src_desc())},
                              {DNNL_ARG_WEIGHTS, filled(pd.weights_desc())},
                              {DNNL_ARG_BIAS, filled(pd.bias_desc())},
                              {DNNL_ARG_DST, filled(pd.dst_desc())}}});
@@ -841,6 +1055,8 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
 }
+
+int64_t AbiVersion() { return kAbiVersion; }
 
 // The block width of oneDNN's optimised kernels on this CPU (see Layouts): its AVX-512
 // kernels (avx512_core and up) take nChw16c, its AVX2 / AVX / SSE4.1 ones nChw8c; below
@@ -870,6 +1086,7 @@ String Version() {
   return String(os.str());
 }
 
+}  // namespace
 }  // namespace layerfuse_onednn
 
 // Registered with override: a process may load this library from several artifacts (or the
@@ -893,5 +1110,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.implementation", Function::FromTyped(layerfuse_onednn::Implementation), true);
   Function::SetGlobal("layerfuse.onednn.time_conv", Function::FromTyped(layerfuse_onednn::TimeConv), true);
   Function::SetGlobal("layerfuse.onednn.version", Function::FromTyped(layerfuse_onednn::Version), true);
+  Function::SetGlobal("layerfuse.onednn.abi_version", Function::FromTyped(layerfuse_onednn::AbiVersion), true);
+  Function::SetGlobal("layerfuse.onednn.release", Function::FromTyped(layerfuse_onednn::ReleaseLayers), true);
   Function::SetGlobal("layerfuse.onednn.block_width", Function::FromTyped(layerfuse_onednn::BlockWidth), true);
 }

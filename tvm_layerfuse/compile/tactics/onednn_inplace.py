@@ -30,18 +30,39 @@ into the residual's buffer (``call_tir_inplace`` of a TIR wrapper, see
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from ...relax._ir import dtype_of, is_primitive, op_name, relax_functions, static_shape
-from . import onednn
-from .onednn_layout import ReplaceCalls, bindings_of, onednn_call, use_counts
+from ...relax._ir import is_primitive, op_name, relax_functions, static_shape
+from . import abi
+from .abi import INPLACE_WRAPPER, LibraryWrites, library_writes
+from .onednn_layout import ReplaceCalls, bindings_of, library_calls, use_counts
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "INPLACE_WRAPPER",
+    "LibraryWrites",
+    "concats_in_place",
+    "library_writes",
+    "prologues_read_pieces",
+    "residuals_in_place",
+]
+
+
+def _visited(mutator, bound: abi.Bound) -> abi.Bound:
+    """``bound`` with every tensor argument visited by ``mutator``."""
+    args = bound.args
+    roles = {"inputs": tuple(mutator.visit_expr(a) for a in args.inputs)}
+    for role in ("scale", "shift", "weight", "bias", "residual"):
+        if getattr(args, role) is not None:
+            roles[role] = mutator.visit_expr(getattr(args, role))
+    if args.members:
+        roles["members"] = tuple((m, _visited(mutator, b)) for m, b in args.members)
+    return bound.replace(**roles)
 
 
 # ---------------------------------------------------------------------- prologues read the pieces
@@ -55,17 +76,17 @@ def prologues_read_pieces(func: relax.Function, layers: list) -> relax.Function:
     bindings = bindings_of(func)
     values = {b.var: b.value for b in bindings}
     uses = use_counts(func)
-    calls = {b.var: onednn_call(b.value) for b in bindings if onednn_call(b.value) is not None}
+    calls = library_calls(func)
     readers: dict = {}  # concat var -> [conv2d_pre calls reading it as their input]
-    for v, (name, args) in calls.items():
-        if name == onednn.FUNCTIONS["conv2d_pre"] and isinstance(args[0], relax.Var):
-            readers.setdefault(args[0], []).append(values[v])
+    for v, bound in calls.items():
+        if bound.call is abi.CONV2D_PRE and len(bound.args.inputs) == 1 and isinstance(bound.args.input, relax.Var):
+            readers.setdefault(bound.args.input, []).append(values[v])
     pieces = {}  # conv2d_pre call -> the pieces it reads
     for b in bindings:
         found = calls.get(b.var)
-        if found is None or found[0] != onednn.CONCAT or uses.get(b.var, 0) != len(readers.get(b.var, [])):
+        if found is None or found.call is not abi.CONCAT or uses.get(b.var, 0) != len(readers.get(b.var, [])):
             continue  # not a concat, or read by something other than a prologue (or by the caller)
-        items = found[1]
+        items = found.args.inputs
         if static_shape(b.var)[0] == 1 and len(set(items)) == len(items):
             if all(_member(x, values, calls, uses) is not None for x in items):
                 continue  # every piece made in place by its conv: concats_in_place's
@@ -89,74 +110,16 @@ class _ReadPieces(relax.PyExprMutator):
         items = self.pieces.get(call)
         if items is None:
             return super().visit_call_(call)
-        args = [self.visit_expr(a) for a in [*items, *list(call.args[1].fields)[1:]]]
-        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, call.ty_args)
+        bound = abi.parse_call(call).replace(inputs=tuple(items))
+        return abi.rebuild(call, _visited(self, bound))
 
 
 # ---------------------------------------------------------------------- concatenation in place
-_KINDS = {onednn.FUNCTIONS["conv2d"]: 1, onednn.FUNCTIONS["conv2d_pre"]: 2, onednn.FUNCTIONS["conv2d_add"]: 3}
-
-
-@dataclass(frozen=True)
-class LibraryWrites:
-    """Bytes one library call writes per inference: into its outputs, computed (``computed``)
-    or copied (``copied``: a concat's pieces), and into its own scratch (``scratch``: the
-    normalised input of a conv prologue)."""
-
-    computed: int
-    copied: int
-    scratch: int
-    residual: int = 0  # the residual a conv2d_add copies into its output before the conv
-
-
-def _nbytes(expr) -> int:
-    shape = static_shape(expr)
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype_of(expr)).itemsize if shape is not None else 0
-
-
-def library_writes(call) -> Optional[LibraryWrites]:
-    """What a ``call_dps_packed`` into this library (or a residual conv in place, see
-    :func:`residuals_in_place`) writes (None for any other expression)."""
-    if op_name(call) == "relax.call_tir_inplace" and call.args[0].name_hint.startswith(INPLACE_WRAPPER):
-        return LibraryWrites(_nbytes(call), 0, 0)
-    found = onednn_call(call)
-    if found is None:
-        return None
-    name, args = found
-    out = sum(_nbytes(f) for f in call.ty.fields) if isinstance(call.ty, relax.TupleType) else _nbytes(call)
-    if name == onednn.FUNCTIONS["conv2d_add"]:
-        return LibraryWrites(out, 0, 0, residual=_nbytes(args[3]))
-    if name == onednn.CONCAT:
-        return LibraryWrites(0, out, 0)
-    if name == onednn.FUNCTIONS["conv2d_pre"]:  # the pieces x_1..x_k, normalised
-        return LibraryWrites(out, 0, sum(_nbytes(x) for x in args[:-5]))
-    if name != onednn.CONCAT_CONVS:
-        return LibraryWrites(out, 0, 0)
-    spec, rest = [int(v) for v in args[0].values], args[1:]
-    copied = scratch = a = 0
-    for kind in spec[1::2]:
-        if kind == 0:
-            copied += _nbytes(rest[a])
-            a += 1
-        elif kind == 2:  # up to its attrs, the first shape
-            end = next(i for i in range(a, len(rest)) if isinstance(rest[i], relax.ShapeExpr))
-            scratch += sum(_nbytes(x) for x in rest[a : end - 4])
-            a = end + 1
-        else:
-            a += 4 if kind == 1 else 5
-    return LibraryWrites(out - copied, copied, scratch)
-
-
-def _weight_at(kind: int, args: list) -> int:
-    """Where the weight is among a conv call's arguments: (x, w, b, attrs), (x_1, ..., x_k, s,
-    t, w, b, attrs), (x, w, b, r, attrs)."""
-    return 1 if kind == 3 else len(args) - 3
-
-
 def _bound_constant(expr, values: dict) -> Optional[np.ndarray]:
     """The value of a constant, or of a variable bound to ``reshape(constant)`` (a bias)."""
     if isinstance(expr, relax.Var) and expr in values and op_name(values[expr]) == "relax.reshape":
-        inner = _bound_constant(values[expr].args[0], values)
+        inner, _ = values[expr].args
+        inner = _bound_constant(inner, values)
         return None if inner is None else inner.reshape(static_shape(values[expr]))
     if isinstance(expr, tvm.ir.expr.Constant) and hasattr(expr.value, "numpy"):
         return expr.value.numpy()
@@ -173,6 +136,15 @@ def _rows(expr, ranges: list, values: dict) -> relax.Expr:
     return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=0)
 
 
+def _with_rows(bound: abi.Bound, ranges: list, values: dict, dst_block: int) -> abi.Bound:
+    """A conv call restricted to the output rows ``ranges`` (weight and bias rows)."""
+    return bound.replace(
+        weight=_rows(bound.args.weight, ranges, values),
+        bias=_rows(bound.args.bias, ranges, values),
+        attrs=bound.attrs.replace(dst_block=dst_block),
+    )
+
+
 def concats_in_place(func: relax.Function, layers: list) -> relax.Function:
     """``layerfuse.onednn.concat`` (batch 1) whose pieces oneDNN convs make, read by nothing
     else -> ``layerfuse.onednn.concat_convs``: each conv writes its channel range of the block
@@ -181,23 +153,23 @@ def concats_in_place(func: relax.Function, layers: list) -> relax.Function:
     bindings = bindings_of(func)
     values = {b.var: b.value for b in bindings}
     uses = use_counts(func)
-    calls = {b.var: onednn_call(b.value) for b in bindings if onednn_call(b.value) is not None}
-    plans = {}  # concat call -> (spec, member arguments)
+    calls = library_calls(func)
+    plans = {}  # concat call -> the concat_convs Bound
     taken: dict = {}  # merged conv var -> {piece index absorbed}
     for b in bindings:
         found = calls.get(b.var)
         shape = static_shape(b.var)
-        if found is None or found[0] != onednn.CONCAT or shape is None or shape[0] != 1:
+        if found is None or found.call is not abi.CONCAT or shape is None or shape[0] != 1:
             continue
         members, offset, blocked, pieces = [], 0, set(), []
-        for x in found[1]:
+        for x in found.args.inputs:
             member = _member(x, values, calls, uses)
-            if member is None or (member[3] is not None and member[3] in pieces):
-                members.append((0, offset, [x]))  # copied (also a piece read twice by this concat)
+            if member is None or (member[2] is not None and member[2] in pieces):
+                members.append((offset, abi.copy_member(x)))  # copied (also a piece read twice by this concat)
             else:
-                kind, args, dst_blocked, piece = member
-                blocked.add(dst_blocked)
-                members.append((kind, offset, args))
+                conv, dst_block, piece = member
+                blocked.add(dst_block)
+                members.append((offset, conv))
                 if piece is not None:
                     pieces.append(piece)
             offset += static_shape(x)[1]
@@ -205,54 +177,41 @@ def concats_in_place(func: relax.Function, layers: list) -> relax.Function:
             continue  # no conv member (nothing to gain), or (never) mixed layouts
         for v, j in pieces:
             taken.setdefault(v, set()).add(j)
-        spec = [blocked.pop()]
-        for kind, off, _ in members:
-            spec += [kind, off]
-        plans[b.value] = (spec, [a for _, _, args in members for a in args])
-        convs = sum(kind != 0 for kind, _, _ in members)
+        plans[b.value] = abi.concat_convs(blocked.pop(), members)
+        convs = sum(m.kind != abi.COPY for m in plans[b.value].attrs.members)
         for c in layers:
             if c.layer == f"concat:{b.var.name}":
                 c.tactic, c.kernel = "in-place", f"{convs} convs write their channels, {len(members) - convs} copied"
     shrink = {}  # merged conv -> the pieces it keeps (the others are made by a block's call)
     for v, pieces in taken.items():
-        name, args = calls[v]
         out_types = list(v.ty.fields)
         keep = [j for j in range(len(out_types)) if j not in pieces]
-        shrink[v] = (keep, _merged_rows(name, args, out_types, keep, values))
+        shrink[v] = (keep, _merged_rows(calls[v], out_types, keep, values))
     if not plans:
         return func
     return _InPlace(plans, shrink, values).visit_expr(func)
 
 
 def _member(x, values: dict, calls: dict, uses: dict):
-    """(kind, call arguments, dst blocked, (merged var, piece) or None) of a concat piece a
-    oneDNN conv makes for this concat alone, else None (the piece is copied)."""
+    """(member call, its output's block width, (merged var, piece) or None) of a concat piece a oneDNN conv
+    makes for this concat alone, else None (the piece is copied)."""
     if not isinstance(x, relax.Var) or uses.get(x) != 1:
         return None
     if x in calls:  # a conv with one output
-        name, args = calls[x]
-        if name not in _KINDS or isinstance(x.ty, relax.TupleType):
+        bound = calls[x]
+        if bound.call.member is None or isinstance(x.ty, relax.TupleType):
             return None
-        attrs = [int(a) for a in args[-1].values]
-        return _KINDS[name], args, onednn.dst_block_of(attrs[11], 0), None
+        return bound, bound.attrs.dst_block_of(0), None
     value = values.get(x)
     if isinstance(value, relax.TupleGetItem) and value.tuple_value in calls:
         v, j = value.tuple_value, int(value.index)
-        name, args = calls[v]
-        if name not in _KINDS or name == onednn.FUNCTIONS["conv2d_add"]:
+        bound = calls[v]
+        if bound.call.member is None or not bound.call.pieces:
             return None
-        kind = _KINDS[name]
         lo = sum(static_shape_of(t)[1] for t in list(v.ty.fields)[:j])
         hi = lo + static_shape_of(v.ty.fields[j])[1]
-        attrs = [int(a) for a in args[-1].values]
-        blocked = onednn.dst_block_of(attrs[11], j)
-        attrs[11] = blocked
-        w_at = _weight_at(kind, args)
-        member = list(args)
-        member[w_at] = _rows(args[w_at], [(lo, hi)], values)
-        member[w_at + 1] = _rows(args[w_at + 1], [(lo, hi)], values)
-        member[-1] = relax.ShapeExpr(attrs)
-        return kind, member, blocked, (v, j)
+        block = bound.attrs.dst_block_of(j)
+        return _with_rows(bound, [(lo, hi)], values, block), block, (v, j)
     return None
 
 
@@ -260,8 +219,8 @@ def static_shape_of(ty) -> tuple[int, ...]:
     return tuple(int(d) for d in ty.shape.values)
 
 
-def _merged_rows(name: str, args: list, out_types: list, keep: list, values: dict):
-    """(function name, arguments, output types) of a merged conv left with pieces ``keep``, or None."""
+def _merged_rows(bound: abi.Bound, out_types: list, keep: list, values: dict):
+    """(the merged conv left with pieces ``keep``, their output types), or None."""
     if not keep:
         return None
     bounds, lo = [], 0
@@ -269,14 +228,8 @@ def _merged_rows(name: str, args: list, out_types: list, keep: list, values: dic
         bounds.append((lo, lo + static_shape_of(t)[1]))
         lo += static_shape_of(t)[1]
     ranges = [bounds[j] for j in keep]
-    w_at = _weight_at(_KINDS[name], args)
-    new = list(args)
-    new[w_at] = _rows(args[w_at], ranges, values)
-    new[w_at + 1] = _rows(args[w_at + 1], ranges, values)
-    attrs = [int(a) for a in args[-1].values]
-    attrs[11] = onednn.dst_block([onednn.dst_block_of(attrs[11], j) for j in keep])
-    new[-1] = relax.ShapeExpr(attrs)
-    return name, new, [out_types[j] for j in keep]
+    dst = abi.dst_block([bound.attrs.dst_block_of(j) for j in keep])
+    return _with_rows(bound, ranges, values, dst), [out_types[j] for j in keep]
 
 
 @relax.expr_functor.mutator
@@ -284,20 +237,18 @@ class _InPlace(relax.PyExprMutator):
     def __init__(self, plans: dict, shrink: dict, values: dict) -> None:
         super().__init__()
         self.plans = plans
-        self.shrink = shrink  # merged conv var -> (kept pieces, new call parts or None)
+        self.shrink = shrink  # merged conv var -> (kept pieces, (new call, output types) or None)
         self.calls = {values[v]: v for v in shrink}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         plan = self.plans.get(call)
         if plan is not None:
-            spec, args = plan
-            args = [relax.ShapeExpr(spec)] + [self.visit_expr(a) for a in args]
-            return relax.call_dps_packed(onednn.CONCAT_CONVS, args, relax.TensorType(list(static_shape(call)), "float32"))
+            return _visited(self, plan).expr(relax.TensorType(list(static_shape(call)), "float32"))
         v = self.calls.get(call)
         if v is not None and self.shrink[v][1] is not None:
-            name, args, out_types = self.shrink[v][1]
+            bound, out_types = self.shrink[v][1]
             out = out_types if len(out_types) > 1 else out_types[0]  # one piece left: a plain tensor
-            return relax.call_dps_packed(name, [self.visit_expr(a) for a in args], out)
+            return _visited(self, bound).expr(out)
         return super().visit_call_(call)
 
     def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:
@@ -313,16 +264,13 @@ class _InPlace(relax.PyExprMutator):
 
 
 # ---------------------------------------------------------------------- the residual in place
-INPLACE_WRAPPER = "layerfuse_onednn_conv2d_add_inplace"  # the TIR wrappers' names (a number may follow)
-
-
 def residuals_in_place(mod: tvm.IRModule, choices: list) -> tvm.IRModule:
     """``conv2d_add(x, W, b, r)`` whose residual ``r`` has no other reader -> the result is
     written into ``r``'s own buffer (the ``sum`` post-op reads each element where it writes
     it: no copy of ``r`` into a fresh destination)::
 
         y = call_dps_packed("layerfuse.onednn.conv2d_add", (x, W, b, r, attrs), out)
-          -> y = call_tir_inplace(wrap, (x, W, b, r), inplace_indices=[3], out)
+          -> y = call_tir_inplace(wrap, (x, W, b, r), inplace_indices=[r's position], out)
              wrap(x, W, b, r): call_packed("layerfuse.onednn.conv2d_add_inplace", x, W, b, r, *attrs)
 
     ``call_tir_inplace`` (not ``call_inplace_packed``) because memory planning follows its
@@ -344,24 +292,25 @@ def residuals_in_place(mod: tvm.IRModule, choices: list) -> tvm.IRModule:
         if is_primitive(func):
             continue
         bindings = bindings_of(func)
-        made = {b.var for b in bindings if onednn_call(b.value) is not None and not isinstance(b.var.ty, relax.TupleType)}
+        calls = library_calls(func)
+        made = {v for v in calls if not isinstance(v.ty, relax.TupleType)}
         readers: dict = {}  # var -> [(binding index, read by a tactic-library call)]
         for i, b in enumerate(bindings):
             for v in relax.analysis.free_vars(b.value):
-                readers.setdefault(v, []).append((i, onednn_call(b.value) is not None))
+                readers.setdefault(v, []).append((i, b.var in calls))
         for v in relax.analysis.free_vars(func.body.body):
             readers.setdefault(v, []).append((len(bindings), False))
         chosen = {}
         for i, b in enumerate(bindings):
-            found = onednn_call(b.value)
-            if found is None or found[0] != onednn.FUNCTIONS["conv2d_add"]:
+            bound = calls.get(b.var)
+            if bound is None or bound.call is not abi.CONV2D_ADD:
                 continue
-            args = found[1]
-            r = args[3]
+            args = bound.args
+            r = args.residual
             others = [(j, lib) for j, lib in readers.get(r, []) if j != i]
             if not isinstance(r, relax.DataflowVar) or r not in made:
                 why = "the residual is not a tensor a tactic-library call makes in this block"
-            elif any(a.same_as(r) for a in args[:3]):
+            elif any(a.same_as(r) for a in (args.input, args.weight, args.bias)):
                 why = "the conv reads the residual as an operand too"
             elif any(j > i for j, _ in others):
                 why = f"the residual {r.name} is read after the conv"
@@ -372,12 +321,12 @@ def residuals_in_place(mod: tvm.IRModule, choices: list) -> tvm.IRModule:
             choices.append((b.var.name, why or "in-place"))
             if why:
                 continue
-            shapes = tuple(tuple(static_shape(a)) for a in args[:4])
-            attrs = tuple(int(a) for a in args[4].values)
-            key = (shapes, attrs)
+            tensors = abi.CONV2D_ADD_INPLACE.flatten(args)
+            shapes = tuple(tuple(static_shape(a)) for a in tensors)
+            key = (shapes, tuple(bound.attrs.values()))
             if key not in wrappers:
-                wrappers[key] = builder.add_func(_inplace_wrapper(shapes, attrs), INPLACE_WRAPPER)
-            chosen[b.value] = (wrappers[key], args[:4], relax.TensorType(list(static_shape(b.var)), "float32"))
+                wrappers[key] = builder.add_func(_inplace_wrapper(shapes, bound.attrs), INPLACE_WRAPPER)
+            chosen[b.value] = (wrappers[key], tensors, relax.TensorType(list(static_shape(b.var)), "float32"))
         if chosen:
             rewrites[gv] = chosen
     mod = builder.get()
@@ -389,23 +338,27 @@ def residuals_in_place(mod: tvm.IRModule, choices: list) -> tvm.IRModule:
     return mod
 
 
-def _inplace_wrapper(shapes: tuple, attrs: tuple):
+_RESIDUAL_AT = abi.CONV2D_ADD_INPLACE.roles.index("residual")  # the argument the result is written into
+
+
+def _inplace_wrapper(shapes: tuple, attrs: abi.ConvAttrs):
     """The TIR function ``(x, W, b, r)`` that calls the library's in-place conv2d_add (see
     :func:`residuals_in_place`); attrs as integer arguments, fixed per wrapper. Any operand
     may sit at an offset in its storage (``offset_factor=1``: the call passes it on). Parsed
     from text (a decorated function would make TVMScript read this module's source file);
     ``op_pattern`` 8 (opaque): FuseOps never fuses the library call with a neighbour."""
-    params = ", ".join(f'{n}: T.Buffer({tuple(s)}, "float32", offset_factor=1)' for n, s in zip("xwbr", shapes))
-    ints = ", ".join(f"T.int64({int(a)})" for a in attrs)
+    names = [role[0] for role in abi.CONV2D_ADD_INPLACE.roles]  # i(nput), w(eight), b(ias), r(esidual)
+    params = ", ".join(f'{n}: T.Buffer({tuple(s)}, "float32", offset_factor=1)' for n, s in zip(names, shapes))
+    ints = ", ".join(f"T.int64({int(a)})" for a in attrs.values())
     source = (
         "@T.prim_func(private=True)\n"
         f"def main({params}):\n"
         '    T.func_attr({"tir.noalias": True, "op_pattern": 8})\n'
-        f'    T.call_packed("{onednn.CONV2D_ADD_INPLACE}", x, w, b, r, {ints})\n'
+        f'    T.call_packed("{abi.CONV2D_ADD_INPLACE.name}", {", ".join(names)}, {ints})\n'
     )
     return tvm.script.from_source(source)
 
 
 def _call_inplace(gv, args: list, out) -> relax.Expr:
-    """``call_tir_inplace`` of a residual wrapper: the result is its argument 3, r."""
-    return relax.op.call_tir_inplace(gv, relax.Tuple(args), inplace_indices=[3], out_ty=out)
+    """``call_tir_inplace`` of a residual wrapper: the result is its residual argument."""
+    return relax.op.call_tir_inplace(gv, relax.Tuple(args), inplace_indices=[_RESIDUAL_AT], out_ty=out)

@@ -47,32 +47,34 @@ import logging
 from typing import Optional
 
 import numpy as np
-import tvm
 from tvm import relax
 
 from ...relax._ir import dtype_of, op_name, static_shape
-from . import onednn
+from . import abi
 from .choice import LayerChoice
+from .oracle import current_oracle
 
 log = logging.getLogger(__name__)
 
 
-_DPS = tvm.ir.Op.get("relax.call_dps_packed")
-_CONVS = tuple(onednn.FUNCTIONS.values())
-
-
 def onednn_call(value) -> Optional[tuple[str, list]]:
     """(function name, argument list) of a call into the oneDNN tactic library."""
-    if not isinstance(value, relax.Call) or not value.op.same_as(_DPS):
-        return None
-    name = str(getattr(value.args[0], "global_symbol", ""))
-    if not name.startswith("layerfuse.onednn."):
-        return None
-    return name, list(value.args[1].fields)
+    bound = abi.parse_call(value)
+    return None if bound is None else (bound.call.name, bound.flat())
 
 
 def bindings_of(func: relax.Function) -> list:
     return [b for block in func.body.blocks for b in block.bindings]
+
+
+def library_calls(func: relax.Function) -> dict:
+    """var -> :class:`.abi.Bound` of every library call bound in ``func``."""
+    out = {}
+    for b in bindings_of(func):
+        bound = abi.parse_call(b.value)
+        if bound is not None:
+            out[b.var] = bound
+    return out
 
 
 def use_counts(func: relax.Function) -> dict:
@@ -86,40 +88,44 @@ def use_counts(func: relax.Function) -> dict:
     return count
 
 
+def _kernel_refused(kernel: str) -> bool:
+    return kernel.startswith(("ref", "unsupported"))
+
+
 def merge_splits(func: relax.Function) -> relax.Function:
     """``split(conv(x), axis=1)`` of a horizontally merged oneDNN conv -> one call whose
     outputs are the pieces (``layerfuse.onednn.conv2d`` with k outputs: piece j is the conv
     with weight and bias rows of that piece): no split kernel, no copy."""
-    values = {b.var: b.value for b in bindings_of(func)}
+    calls = library_calls(func)
     uses = use_counts(func)
     chosen = {}
     for b in bindings_of(func):
         v = b.value
-        if op_name(v) != "relax.split" or not isinstance(v.args[0], relax.Var) or int(v.attrs.axis) not in (1, -3):
+        if op_name(v) != "relax.split" or int(v.attrs.axis) not in (1, -3):
             continue
-        x = v.args[0]
-        found = onednn_call(values.get(x))
-        if found is None or found[0] not in (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_pre"]) or uses.get(x) != 1:
+        (x,) = v.args
+        bound = calls.get(x) if isinstance(x, relax.Var) else None
+        if bound is None or not bound.call.pieces or uses.get(x) != 1:
             continue
-        name, args = found
-        if int(args[-1].values[8]) != 1 or static_shape(x) is None or len(static_shape(x)) != 4:
+        if bound.attrs.groups != 1 or static_shape(x) is None or len(static_shape(x)) != 4:
             continue  # grouped convs keep the split
-        chosen[v] = (name, args, list(b.var.ty.fields))
+        chosen[v] = (bound.call.name, bound.flat(), list(b.var.ty.fields))
     return ReplaceCalls(chosen).visit_expr(func) if chosen else func
 
 
-def _pool_attrs(value, x_shape, y_shape) -> Optional[list[int]]:
+def _pool_attrs(value, x_shape, y_shape) -> Optional[abi.PoolAttrs]:
     """``layerfuse.onednn.pool2d``'s attrs for a pooling op that oneDNN computes alike, else None."""
     op = op_name(value)
+    avg = abi.POOL_ALGORITHMS["avg"]
     if op == "relax.mean":
         axes = sorted(int(a) % 4 for a in (value.attrs.axis or []))
         if axes != [2, 3] or not value.attrs.keepdims:
             return None
-        return [onednn.POOL_ALGORITHMS["avg"], x_shape[2], x_shape[3], 1, 1, 0, 0, 0, 0, 0]
+        return abi.PoolAttrs(avg, x_shape[2], x_shape[3], 1, 1, 0, 0, 0, 0)
     if op == "relax.nn.adaptive_avg_pool2d":
         if str(value.attrs.layout) != "NCHW" or str(value.attrs.out_layout) != "NCHW" or tuple(y_shape[2:]) != (1, 1):
             return None
-        return [onednn.POOL_ALGORITHMS["avg"], x_shape[2], x_shape[3], 1, 1, 0, 0, 0, 0, 0]
+        return abi.PoolAttrs(avg, x_shape[2], x_shape[3], 1, 1, 0, 0, 0, 0)
     if op not in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
         return None
     a = value.attrs
@@ -127,24 +133,26 @@ def _pool_attrs(value, x_shape, y_shape) -> Optional[list[int]]:
         return None
     kh, kw = (int(k) for k in a.pool_size)
     sh, sw = (int(s) for s in a.strides)
-    pad = [int(p) for p in a.padding]
-    pad = pad * 2 if len(pad) == 2 else pad  # top, left, bottom, right
-    # the bottom/right padding that gives the output size: the stated one, or more (ceil_mode)
-    need = [(y_shape[2] - 1) * sh + kh - x_shape[2] - pad[0], (y_shape[3] - 1) * sw + kw - x_shape[3] - pad[1]]
-    end = [max(pad[2], need[0]), max(pad[3], need[1])]
-    if any((x_shape[2 + i] + pad[i] + end[i] - (kh, kw)[i]) // (sh, sw)[i] + 1 != y_shape[2 + i] for i in range(2)):
+    if min(kh, kw, sh, sw) < 1:
         return None
-    if max(pad) >= min(kh, kw):
+    pad = [int(p) for p in a.padding]
+    top, left, bottom, right = pad * 2 if len(pad) == 2 else pad
+    # the bottom/right padding that gives the output size: the stated one, or more (ceil_mode)
+    need = [(y_shape[2] - 1) * sh + kh - x_shape[2] - top, (y_shape[3] - 1) * sw + kw - x_shape[3] - left]
+    end = [max(bottom, need[0]), max(right, need[1])]
+    if any((x_shape[2 + i] + (top, left)[i] + end[i] - (kh, kw)[i]) // (sh, sw)[i] + 1 != y_shape[2 + i] for i in range(2)):
+        return None
+    if max(top, left, bottom, right) >= min(kh, kw):
         return None
     if op == "relax.nn.max_pool2d":
         alg = "max"
     elif a.count_include_pad:
-        if end != pad[2:]:
+        if end != [bottom, right]:
             return None  # ceil_mode's extra cells are not counted in ONNX, oneDNN would count them
         alg = "avg_include_pad"
     else:
         alg = "avg"
-    return [onednn.POOL_ALGORITHMS[alg], kh, kw, sh, sw, *pad, 0]
+    return abi.PoolAttrs(abi.POOL_ALGORITHMS[alg], kh, kw, sh, sw, top, left, bottom, right)
 
 
 # Producers TVM's FuseOps fuses into the concatenate that reads them (an upsample + concat
@@ -160,7 +168,7 @@ def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
     chosen = {}
     for b in bindings_of(func):
         v = b.value
-        if onednn_call(v) is not None:
+        if abi.parse_call(v) is not None:
             made.add(b.var)
             continue
         if isinstance(v, relax.TupleGetItem) and v.tuple_value in made:
@@ -168,7 +176,7 @@ def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
             continue
         y_shape = static_shape(b.var)
         if op_name(v) == "relax.concat":
-            fields = v.args[0]
+            (fields,) = v.args
             fields = values.get(fields, fields) if isinstance(fields, relax.Var) else fields
             axis = int(v.attrs.axis) if v.attrs.axis is not None else 0
             if not isinstance(fields, relax.Tuple) or y_shape is None or len(y_shape) != 4 or axis not in (1, -3):
@@ -180,22 +188,26 @@ def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
                 continue  # TVM producers only: the lowering's in-place concat takes it
             if any(op_name(values.get(x)) in _FOLDED_INTO_CONCAT for x in items):
                 continue  # TVM's FuseOps computes that piece inside the concat kernel: no copy of it
-            chosen[v] = (onednn.CONCAT, items, relax.TensorType(list(y_shape), "float32"))
+            chosen[v] = (abi.CONCAT.name, items, relax.TensorType(list(y_shape), "float32"))
             made.add(b.var)
             layers.append(LayerChoice(f"concat:{b.var.name}", "copy", kernel="memcpy", shape=f"out{list(y_shape)}"))
             continue
-        if not isinstance(v, relax.Call) or not v.args or v.args[0] not in made or dtype_of(b.var) != "float32":
+        if not isinstance(v, relax.Call) or not v.args or dtype_of(b.var) != "float32":
             continue
-        x_shape = static_shape(v.args[0])
+        x, *_ = v.args
+        if x not in made:
+            continue
+        x_shape = static_shape(x)
         if x_shape is None or y_shape is None or len(x_shape) != 4 or len(y_shape) != 4:
             continue
         attrs = _pool_attrs(v, x_shape, y_shape)
         if attrs is None:
             continue
-        kernel = onednn.pool_implementation(x_shape, y_shape, attrs)
-        if kernel.startswith(("ref", "unsupported")):
+        kernel = current_oracle().pool_kernel(x_shape, y_shape, attrs)
+        if _kernel_refused(kernel):
             continue
-        chosen[v] = (onednn.POOL, [v.args[0], relax.ShapeExpr(attrs)], relax.TensorType(list(y_shape), "float32"))
+        args = abi.POOL2D.flatten(abi.Args(inputs=(x,), attrs=attrs.to_shape()))
+        chosen[v] = (abi.POOL2D.name, args, relax.TensorType(list(y_shape), "float32"))
         made.add(b.var)
         layers.append(LayerChoice(f"pool:{b.var.name}", "onednn", kernel=kernel, shape=f"x{list(x_shape)} out{list(y_shape)}"))
     return ReplaceCalls(chosen).visit_expr(func) if chosen else func
@@ -240,26 +252,25 @@ class _Classes:
 
 def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
     """Choose plain or blocked bytes for every tensor that oneDNN calls make (see module doc)."""
-    width = onednn.block_width()
+    width = current_oracle().block_width()
     bindings = bindings_of(func)
-    calls = {}  # var -> (name, args)
+    calls = {}  # var -> abi.Bound
     pieces: dict = {}  # tuple var -> {index: [piece vars]}
     producer: dict = {}  # tensor var -> "onednn"
     tvm_read: set = set()  # tensors a TVM kernel (or the caller) reads
     classes = _Classes()
     for b in bindings:
         v = b.value
-        found = onednn_call(v)
-        if found is not None:
-            calls[b.var] = found
-            name, args = found
-            if name == onednn.CONCAT:
-                for a in args:
+        bound = abi.parse_call(v)
+        if bound is not None:
+            calls[b.var] = bound
+            if bound.call is abi.CONCAT:
+                for a in bound.args.inputs:
                     classes.union(a, b.var)
-            elif name == onednn.POOL:
-                classes.union(args[0], b.var)
-            elif name == onednn.FUNCTIONS["conv2d_add"] and isinstance(args[3], relax.Var):
-                classes.union(args[3], b.var)
+            elif bound.call is abi.POOL2D:
+                classes.union(bound.args.input, b.var)
+            elif bound.call is abi.CONV2D_ADD and isinstance(bound.args.residual, relax.Var):
+                classes.union(bound.args.residual, b.var)
             if not isinstance(b.var.ty, relax.TupleType):
                 producer[b.var] = "onednn"
             continue
@@ -293,9 +304,9 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
 
     # A plain tensor that several oneDNN convs read: reordered once (to_blocked), not in each.
     data_readers: dict = {}
-    for v, (name, args) in calls.items():
-        x = args[0]
-        if name in _CONVS and isinstance(x, relax.Var) and x not in blocked:
+    for v, bound in calls.items():
+        x = bound.args.input if bound.call.conv else None
+        if isinstance(x, relax.Var) and x not in blocked:
             data_readers.setdefault(x, []).append(v)
     shared = {
         x
@@ -307,64 +318,69 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
         and static_shape(x)[1] % width == 0
     }
 
-    def conv_flags(v, args, padded: set) -> tuple[int, int]:
-        src = isinstance(args[0], relax.Var) and (args[0] in blocked or args[0] in shared or args[0] in padded)
+    def conv_flags(v, bound, padded: set) -> tuple[int, int]:
+        x = bound.args.input
+        src = isinstance(x, relax.Var) and (x in blocked or x in shared or x in padded)
         if isinstance(v.ty, relax.TupleType):
             parts = pieces.get(v, {})
             n = len(v.ty.fields)
-            return width * src, onednn.dst_block([width * (j in parts and parts[j][0] in blocked) for j in range(n)])
+            return width * src, abi.dst_block([width * (j in parts and parts[j][0] in blocked) for j in range(n)])
         return width * src, width * (v in blocked or v in padded)
 
     padded = _padded(members, calls, tvm_read, conv_flags, width)
     notes: dict = {}  # call var -> why its tensors stay plain
     flags = _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, conv_flags, width, notes)
     _record_layouts(layers, calls, flags, notes)
-    by_call = {b.value: flags[b.var] for b in bindings if b.var in flags and any(flags[b.var])}
+    by_call = {b.value: flags[b.var] for b in bindings if b.var in flags and flags[b.var] != calls[b.var].attrs}
     resize = {b.value: _padded_type(b.var, width) for b in bindings if b.var in padded}
     return _SetLayouts(by_call, shared, resize, width).visit_expr(func) if by_call else func
 
 
-def _kernel(name: str, v, args: list, flags: tuple[int, int]) -> str:
-    """The kernel oneDNN picks for the conv or pool call ``v = name(args)`` under ``flags``."""
-    attrs = [int(x) for x in args[-1].values]
-    if name == onednn.POOL:
-        attrs[9] = flags[0]
-        return onednn.pool_implementation(static_shape(args[0]), static_shape(v), attrs)
-    attrs[10], attrs[11] = flags
-    weight = args[3] if name == onednn.FUNCTIONS["conv2d_pre"] else args[1]
-    return onednn.implementation(
-        static_shape(args[0]), static_shape(weight), attrs, residual=name == onednn.FUNCTIONS["conv2d_add"]
+def _with_layout(bound: abi.Bound, flags: tuple[int, int]):
+    """The attrs of the conv or pool call ``bound`` with the block widths ``flags`` (src, dst)."""
+    if bound.call is abi.POOL2D:
+        return bound.attrs.replace(block=flags[0])
+    return bound.attrs.replace(src_block=flags[0], dst_block=flags[1])
+
+
+def _kernel(v, bound: abi.Bound, attrs) -> str:
+    """The kernel oneDNN picks for the conv or pool call ``v = bound`` under ``attrs``."""
+    oracle = current_oracle()
+    if bound.call is abi.POOL2D:
+        return oracle.pool_kernel(static_shape(bound.args.input), static_shape(v), attrs)
+    return oracle.conv_kernel(
+        static_shape(bound.args.input), static_shape(bound.args.weight), attrs, residual=bound.call is abi.CONV2D_ADD
     )
 
 
 def _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, conv_flags, width, notes) -> dict:
-    """Every conv and pool call's (src, dst) flags, after making plain the layout classes of
-    any call that oneDNN would run with a reference (``ref:``) or no kernel in its blocked
-    layout (a plain src or dst is reordered inside the call to the layout of an optimised
-    kernel, which :class:`.use_onednn.UseOneDNNConv` checked). Changes ``blocked``,
+    """Every conv and pool call's attrs with its block widths set, after making plain the
+    layout classes of any call that oneDNN would run with a reference (``ref:``) or no kernel
+    in its blocked layout (a plain src or dst is reordered inside the call to the layout of an
+    optimised kernel, which :class:`.use_onednn.UseOneDNNConv` checked). Changes ``blocked``,
     ``shared`` and ``padded`` in place and notes each refused call's reason in ``notes``;
     repeats until no call is refused."""
     checked: dict = {}  # (call var, flags) -> kernel
     while True:
-        flags = {}  # call var -> (src flag, dst flag)
-        for v, (name, args) in calls.items():
-            if name in _CONVS:
-                flags[v] = conv_flags(v, args, padded)
-            elif name == onednn.POOL:
+        flags = {}  # call var -> (src width, dst widths)
+        for v, bound in calls.items():
+            if bound.call.conv:
+                flags[v] = conv_flags(v, bound, padded)
+            elif bound.call is abi.POOL2D:
                 flags[v] = (width * (v in blocked), width * (v in blocked))
         refused = []
         for v, f in flags.items():
             if not any(f):
                 continue
             if (v, f) not in checked:
-                checked[(v, f)] = _kernel(calls[v][0], v, calls[v][1], f)
-            if checked[(v, f)].startswith(("ref", "unsupported")):
+                checked[(v, f)] = _kernel(v, calls[v], _with_layout(calls[v], f))
+            if _kernel_refused(checked[(v, f)]):
                 refused.append((v, checked[(v, f)]))
         if not refused:
-            return flags
+            return {v: _with_layout(calls[v], f) for v, f in flags.items()}
         for v, kernel in refused:
-            x = calls[v][1][0]
-            notes[v] = f"plain layout: oneDNN has only {kernel} for it in {onednn.layout_name(width)}"
+            x = calls[v].args.input
+            notes[v] = f"plain layout: oneDNN has only {kernel} for it in {abi.layout_name(width)}"
             log.info("%s: %s", v.name, notes[v])
             touched = {v, x} | {vs[0] for vs in pieces.get(v, {}).values()}
             for vs in members.values():
@@ -379,17 +395,23 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -
     24-channel stage with B = 16): B < C, C % B != 0, made by a conv with one output and read only by
     convs (as their src, or conv2d_add's residual), never by TVM, the caller, a pool, a
     concat or a prologue -- all their class alike -- and every conv that touches one keeps an
-    optimised kernel in that layout (``conv_flags(var, args, padded)``: the flags it gets; a
+    optimised kernel in that layout (``conv_flags(var, bound, padded)``: the flags it gets; a
     class whose conv would get ``ref:`` stays plain). Their Relax type becomes [N, ceilB(C),
     H, W] (the bytes of oneDNN's padded nChwBc; the library takes C from the weights), so no
     conv reorders them to and from NCHW inside its call. (C < B is left plain: padding would
     multiply the reading conv's work more than the reorders cost.)"""
-    simple = (onednn.FUNCTIONS["conv2d"], onednn.FUNCTIONS["conv2d_add"])
-    readers: dict = {}  # var -> [(call name, argument position)]
-    for name, args in calls.values():
-        for k, a in enumerate(args):
-            if isinstance(a, relax.Var):
-                readers.setdefault(a, []).append((name, k))
+    simple = (abi.CONV2D, abi.CONV2D_ADD)
+    readers: dict = {}  # var -> [(library call, role)]
+    for bound in calls.values():
+        for role in ("inputs", "scale", "shift", "weight", "bias", "residual"):
+            value = getattr(bound.args, role)
+            for a in value if role == "inputs" else (value,):
+                if isinstance(a, relax.Var):
+                    readers.setdefault(a, []).append((bound.call, role))
+        for _, member in bound.args.members:
+            for a in member.flat():
+                if isinstance(a, relax.Var):
+                    readers.setdefault(a, []).append((abi.CONCAT_CONVS, "member"))
 
     def can_pad(var) -> bool:
         shape = static_shape(var)
@@ -397,9 +419,9 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -
             return False
         if shape[2] * shape[3] == 1:
             return False
-        if var not in calls or calls[var][0] not in simple or not isinstance(var, relax.DataflowVar) or var in tvm_read:
+        if var not in calls or calls[var].call not in simple or not isinstance(var, relax.DataflowVar) or var in tvm_read:
             return False
-        return all(name in simple and (k == 0 or (k == 3 and name == simple[1])) for name, k in readers.get(var, []))
+        return all(call in simple and role in ("inputs", "residual") for call, role in readers.get(var, []))
 
     classes = [vs for vs in members.values() if all(can_pad(m) for m in vs)]
     padded = {v for vs in classes for v in vs}
@@ -407,18 +429,19 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -
     changed = bool(padded)
     while changed:  # drop the classes of a conv whose kernel in the padded layout is a reference one
         changed = False
-        for v, (name, args) in calls.items():
-            if name not in simple or not (v in padded or args[0] in padded):
+        for v, bound in calls.items():
+            x = bound.args.input if bound.call in simple else None
+            if x is None or not (v in padded or x in padded):
                 continue
-            attrs = [int(a) for a in args[-1].values]
-            attrs[10], attrs[11] = conv_flags(v, args, padded)
-            key = (v, attrs[10], attrs[11])
+            src, dst = conv_flags(v, bound, padded)
+            attrs = bound.attrs.replace(src_block=src, dst_block=dst)
+            key = (v, src, dst)
             if key not in checked:
-                checked[key] = onednn.implementation(
-                    static_shape(args[0]), static_shape(args[1]), attrs, residual=name == simple[1]
+                checked[key] = current_oracle().conv_kernel(
+                    static_shape(x), static_shape(bound.args.weight), attrs, residual=bound.call is abi.CONV2D_ADD
                 )
-            if checked[key].startswith(("ref", "unsupported")):
-                padded -= {m for vs in classes if v in vs or args[0] in vs for m in vs}
+            if _kernel_refused(checked[key]):
+                padded -= {m for vs in classes if v in vs or x in vs for m in vs}
                 changed = True
     return padded
 
@@ -429,61 +452,72 @@ def _padded_type(var, width: int) -> relax.TensorType:
 
 
 def _record_layouts(layers: list, calls: dict, flags: dict, notes: dict) -> None:
-    """Tell each oneDNN LayerChoice (in call order) which layout its src and dst have."""
-    convs = [c for c in layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:"))]
-    pools = [c for c in layers if c.tactic == "onednn" and c.layer.startswith("pool:")]
-    conv_calls = [(v, found) for v, found in calls.items() if found[0] in _CONVS]
-    pool_calls = [(v, found) for v, found in calls.items() if found[0] == onednn.POOL]
-    for c, (v, (name, args)) in zip(pools, pool_calls):
-        c.layout = onednn.layout_name(flags[v][0])
-        c.reason = notes.get(v, c.reason)
-        if flags[v][0]:  # the kernel oneDNN picks in that layout
-            c.kernel = _kernel(name, v, args, flags[v])
-    for c, (v, (name, args)) in zip(convs, conv_calls):
-        src, dst = flags.get(v, (0, 0))
+    """Tell each oneDNN LayerChoice which layout its src and dst have (and, where a call's
+    blocked kernel would be a reference one, why they are plain): a pool's by its bound
+    variable (``pool:<var>``), a conv's by the layer id its call's attrs carry."""
+    by_name = {c.layer: c for c in layers}
+    for v, bound in calls.items():
+        attrs = flags.get(v)
+        if attrs is None:
+            continue
+        if bound.call is abi.POOL2D:
+            c = by_name.get(f"pool:{v.name}")
+            if c is None:
+                continue
+            c.layout = abi.layout_name(attrs.block)
+            c.reason = notes.get(v, c.reason)
+            if attrs.block:  # the kernel oneDNN picks in that layout
+                c.kernel = _kernel(v, bound, attrs)
+            continue
+        c = _conv_choices(layers).get(attrs.layer)
+        if c is None:
+            continue
         n = len(v.ty.fields) if isinstance(v.ty, relax.TupleType) else 1
-        outs = ",".join(onednn.layout_name(onednn.dst_block_of(dst, j)) for j in range(n))
-        c.layout = f"{onednn.layout_name(src)}>{outs}"
+        outs = ",".join(abi.layout_name(attrs.dst_block_of(j)) for j in range(n))
+        c.layout = f"{abi.layout_name(attrs.src_block)}>{outs}"
         c.reason = notes.get(v, c.reason)
-        if src or dst:  # the kernel oneDNN picks for these layouts
-            c.kernel = _kernel(name, v, args, (src, dst))
+        if attrs.src_block or attrs.dst_block:  # the kernel oneDNN picks for these layouts
+            c.kernel = _kernel(v, bound, attrs)
+
+
+def _conv_choices(layers: list) -> dict:
+    """layer id -> the LayerChoice of that conv layer (the id its calls' attrs carry)."""
+    return {c.id: c for c in layers if c.tactic == "onednn" and c.id >= 0}
 
 
 @relax.expr_functor.mutator
 class _SetLayouts(relax.PyExprMutator):
     def __init__(self, by_call: dict, shared: set, resize: dict, width: int) -> None:
         super().__init__()
-        self.width = width
-        self.by_call = by_call
+        self.width = width  # the block width of the blocked layout
+        self.by_call = by_call  # call -> its attrs with the layout's block widths
         self.shared = shared  # plain tensors reordered once for their oneDNN readers
         self.resize = resize  # call -> its result's type with padded channels
         self.blocked_copy: dict = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        flags = self.by_call.get(call)
-        if flags is None:
+        attrs = self.by_call.get(call)
+        if attrs is None:
             return super().visit_call_(call)
-        name = str(call.args[0].global_symbol)
-        args = list(call.args[1].fields)
-        attrs = [int(x) for x in args[-1].values]
-        if name == onednn.POOL:
-            attrs[9] = flags[0]
-        else:
-            attrs[10], attrs[11] = flags
-        args[-1] = relax.ShapeExpr(attrs)
-        x = args[0]
-        args = [self.visit_expr(a) for a in args]
-        if name in _CONVS and x in self.shared:
+        bound = abi.parse_call(call).replace(attrs=attrs)
+        x = bound.args.input
+        args = bound.args
+        visited = dict(inputs=tuple(self.visit_expr(a) for a in args.inputs))
+        for role in ("scale", "shift", "weight", "bias", "residual"):
+            if getattr(args, role) is not None:
+                visited[role] = self.visit_expr(getattr(args, role))
+        if bound.call.conv and x in self.shared:
             if x not in self.blocked_copy:
-                copy = relax.call_dps_packed(
-                    onednn.TO_BLOCKED,
-                    [args[0], relax.ShapeExpr([self.width])],
-                    relax.TensorType(list(static_shape(x)), "float32"),
+                copy = abi.make(abi.TO_BLOCKED, input=visited["inputs"][0], attrs=abi.ToBlockedAttrs(self.width)).expr(
+                    relax.TensorType(list(static_shape(x)), "float32")
                 )
-                self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_{onednn.layout_name(self.width)}")
-            args[0] = self.blocked_copy[x]
-        ty_args = [self.resize[call]] if call in self.resize else call.ty_args
-        return relax.Call(call.op, [call.args[0], relax.Tuple(args)], call.attrs, ty_args)
+                self.blocked_copy[x] = self.builder_.emit(copy, f"{x.name}_{abi.layout_name(self.width)}")
+            visited["inputs"] = (self.blocked_copy[x], *visited["inputs"][1:])
+        bound = bound.replace(**visited)
+        new = abi.rebuild(call, bound)
+        if call in self.resize:
+            new = relax.Call(new.op, new.args, new.attrs, [self.resize[call]])
+        return new
 
 
 # ---------------------------------------------------------------------- the classifier
@@ -498,15 +532,18 @@ def dense_layers(func: relax.Function, layers: list) -> relax.Function:
     taken = set()  # matmuls folded into an add
     for b in bindings:
         v = b.value
-        if op_name(v) == "relax.add" and isinstance(v.args[0], relax.Var) and op_name(values.get(v.args[0])) == "relax.matmul":
-            mm, bias = values[v.args[0]], v.args[1]
-            m_shape = static_shape(v.args[0])
-            if uses.get(v.args[0]) != 1 or m_shape is None or static_shape(bias) not in ((m_shape[-1],), (1, m_shape[-1])):
-                continue
-            plan = _dense(mm, b.var, bias, layers)
-            if plan is not None:
-                chosen[v] = plan
-                taken.add(v.args[0])
+        if op_name(v) != "relax.add":
+            continue
+        product, bias = v.args
+        if not isinstance(product, relax.Var) or op_name(values.get(product)) != "relax.matmul":
+            continue
+        m_shape = static_shape(product)
+        if uses.get(product) != 1 or m_shape is None or static_shape(bias) not in ((m_shape[-1],), (1, m_shape[-1])):
+            continue
+        plan = _dense(values[product], b.var, bias, layers)
+        if plan is not None:
+            chosen[v] = plan
+            taken.add(product)
     for b in bindings:
         if op_name(b.value) == "relax.matmul" and b.var not in taken:
             shape = static_shape(b.var)
@@ -518,14 +555,17 @@ def dense_layers(func: relax.Function, layers: list) -> relax.Function:
 
 
 def _dense(mm: relax.Call, out, bias, layers: list) -> Optional[tuple]:
-    x, w = mm.args[0], mm.args[1]
+    x, w = mm.args
     xs, ws, ys = static_shape(x), static_shape(w), static_shape(out)
     if xs is None or ws is None or ys is None or len(xs) != 2 or len(ws) != 2 or xs[1] != ws[0] or ys != (xs[0], ws[1]):
         return None
     if any(dtype_of(e) != "float32" for e in (x, w, bias, out)):
         return None
-    kernel = onednn.dense_implementation(xs[0], xs[1], ws[1])
-    if kernel.startswith(("ref", "unsupported")):
+    n, k = xs
+    _, m = ws
+    kernel = current_oracle().dense_kernel(n, k, m)
+    if _kernel_refused(kernel):
         return None
     layers.append(LayerChoice(f"dense:{out.name}", "onednn", kernel=kernel, shape=f"x{list(xs)} w{list(ws)}"))
-    return onednn.DENSE, [x, w, relax.op.reshape(bias, [ws[1]])], relax.TensorType(list(ys), "float32")
+    args = abi.DENSE.flatten(abi.Args(inputs=(x,), weight=w, bias=relax.op.reshape(bias, [m])))
+    return abi.DENSE.name, args, relax.TensorType(list(ys), "float32")

@@ -16,13 +16,14 @@ so the call becomes::
     y = R.call_dps_packed("layerfuse.onednn.conv2d[_add]",
                           (x, W, reshape(b, [O]) [, r], attrs), R.Tensor(y.shape))
 
-with ``attrs = (stride_h, stride_w, pad_t, pad_l, pad_b, pad_r, dil_h, dil_w, groups, act,
-src_block, dst_block, bits(alpha), bits(beta), algorithm)`` (``src_block`` / ``dst_block``: the
-block width of x's / each output's layout, 0 plain, set by ``assign_layouts``) and ``act``: 0 none, 1 relu (``alpha``:
-LeakyRelu's slope), 2 clip [``alpha``, ``beta``], 3 silu, 4 sigmoid; ``bits`` is the float32's
-bit pattern (integer shape entries cost the VM nothing; a float argument costs a kernel
-launch). Other epilogues (gates, adds after the activation, hard-sigmoid/swish, GELU, PReLU)
-stay with TVM. A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend
+with ``attrs`` an :class:`.abi.ConvAttrs` record (geometry, the activation's code in
+:data:`.abi.ACTIVATIONS`, alpha and beta as float32 bit patterns, the layouts' block widths
+``src_block`` / ``dst_block``: 0 plain, 8 or 16, set by ``assign_layouts``, and the
+algorithm) carried as one ``R.shape``. The epilogue is what the fusion pass itself matched
+(:func:`tvm_layerfuse.relax.fuse_epilogue.match_group`, its named patterns): relu,
+LeakyRelu, clip, silu, sigmoid, HardSwish, HardSigmoid and GELU (erf or tanh) become
+oneDNN post-ops; gates, multiplies, adds after the activation and PReLU stay with TVM.
+A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend
 on weights only, so ``LiftTransformParams`` computes them at compile time.
 
 After the conv layers, the pass moves the data around them (each step a function of its
@@ -34,7 +35,8 @@ own, applied per Relax function in this order):
   between library calls);
 - :mod:`.onednn_inplace`: ``prologues_read_pieces`` (DenseNet's concats never materialised),
   ``concats_in_place`` (convs write their channel ranges of a concat), ``residuals_in_place``
-  (a residual conv writes into its residual's buffer).
+  (a residual conv writes into its residual's buffer);
+- :mod:`.verify_layouts`: every blocked tensor is read only by calls whose flags say so.
 
 The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
@@ -74,23 +76,22 @@ from ...relax._ir import (
     relax_functions,
     static_shape,
 )
-from ...relax.fuse_epilogue import PREFIX
+from ...relax.fuse_epilogue import PREFIX, RESIDUALS, match_group
 from ...relax.fuse_prologue import PROLOGUE_PREFIX
-from . import onednn
+from . import abi
 from .choice import LayerChoice
 from .onednn_inplace import concats_in_place, prologues_read_pieces, residuals_in_place
 from .onednn_layout import assign_layouts, dense_layers, merge_splits, pools_and_concats
+from .oracle import LibraryOracle, Oracle, current_oracle, use_oracle
+from .verify_layouts import check_layouts
 
-__all__ = ["UseOneDNNConv", "LayerChoice", "Refused", "WINOGRAD_CHOICES", "WINOGRAD_GAIN"]
+__all__ = ["UseOneDNNConv", "LayerChoice", "Refused", "WINOGRAD_CHOICES", "WINOGRAD_GAIN", "Oracle", "LibraryOracle"]
 
 log = logging.getLogger(__name__)
 
-ACT_CODES = {None: 0, "relu": 1, "leakyrelu": 1, "clip": 2, "silu": 3, "sigmoid": 4}
 WINOGRAD_CHOICES = ("timed", "never", "always")
 WINOGRAD_GAIN = 1.05  # Winograd is kept when direct takes at least this many times as long
 NO_WINOGRAD = "winograd (always): oneDNN has no Winograd kernel for it here, direct"
-
-
 
 
 @dataclass
@@ -100,7 +101,7 @@ class _Epilogue:
     weight: relax.Expr
     bias: Optional[relax.Expr] = None
     residual: Optional[relax.Expr] = None
-    act: Optional[str] = None
+    act: str = "none"  # a key of abi.ACTIVATIONS
     alpha: float = 0.0
     beta: float = 0.0
     pre: Optional[tuple] = None  # (s, t): the conv reads relu(data * s + t), s and t per channel
@@ -108,6 +109,10 @@ class _Epilogue:
 
 class Refused(Exception):
     """A layer oneDNN does not take; the message is the reason."""
+
+
+def _kernel_refused(kernel: str) -> bool:
+    return kernel.startswith(("ref", "unsupported"))
 
 
 @tvm.transform.module_pass(opt_level=0, name="UseOneDNNConv")
@@ -118,6 +123,9 @@ class UseOneDNNConv:
     parameters of an unbound module); ``only`` restricts the layers that may use oneDNN
     (names as in ``pass.layers``), None allows all; ``pieces=False`` keeps the concats that
     conv prologues read (:func:`prologues_read_pieces` off: the layout before it, to compare).
+    ``oracle``: what the pass asks the library (kernel names, timings), by default
+    :class:`LibraryOracle` (the library loaded in this process); tests give one of their own
+    to run the rewrites where oneDNN is absent.
     """
 
     def __init__(
@@ -127,6 +135,7 @@ class UseOneDNNConv:
         only: Optional[set] = None,
         winograd: str = "timed",
         pieces: bool = True,
+        oracle: Optional[Oracle] = None,
     ) -> None:
         if winograd not in WINOGRAD_CHOICES:
             raise ValueError(f"winograd={winograd!r}; expected one of {', '.join(WINOGRAD_CHOICES)}")
@@ -134,13 +143,18 @@ class UseOneDNNConv:
         self.only = only
         self.winograd = winograd
         self.pieces = pieces
+        self.oracle = oracle
         self.timings: dict[tuple, tuple[float, float]] = {}  # (x, w, attrs, residual) -> (direct, winograd) ms
         self.layers: list[LayerChoice] = []
         self.bound: dict = {}  # var -> value in the function being rewritten (clip bounds)
         self.residuals: list[tuple[str, str]] = []  # (conv2d_add's variable, "in-place" | why it copies)
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        onednn.load()  # the kernel query needs the library in this process
+        oracle = self.oracle if self.oracle is not None else LibraryOracle()
+        with use_oracle(oracle):
+            return self._transform(mod)
+
+    def _transform(self, mod: tvm.IRModule) -> tvm.IRModule:
         self.layers = []
         mod = mod.clone()
         for gv, func in relax_functions(mod):
@@ -164,64 +178,67 @@ class UseOneDNNConv:
         mod = relax.transform.DeadCodeElimination()(mod)
         self.residuals = []
         mod = residuals_in_place(mod, self.residuals)
+        check_layouts(mod)  # every blocked tensor read only where the reader's flags say so
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
         return mod
 
     # ------------------------------------------------------------------ one layer
-    def choose(self, name: str, ep: _Epilogue, out_shape) -> Optional[tuple[str, list]]:
-        """(function name, extra call arguments) when oneDNN takes the layer, else None."""
+    def choose(self, name: str, ep: _Epilogue, out_shape) -> Optional[tuple[abi.LibraryCall, abi.ConvAttrs]]:
+        """(library call, attrs) when oneDNN takes the layer, else None."""
         x_shape, w_shape = static_shape(ep.data), static_shape(ep.weight)
         shape = f"x{list(x_shape) if x_shape else '?'} w{list(w_shape) if w_shape else '?'}"
+        residual = ep.residual is not None
         try:
             if self.only is not None and name not in self.only:
                 raise Refused("not selected for oneDNN")
-            if ep.pre is not None and ep.residual is not None:
+            if ep.pre is not None and residual:
                 raise Refused("a prologue and a residual in one layer")
             attrs = self._attrs(ep, x_shape, w_shape, out_shape)
-            kernel = onednn.implementation(x_shape, w_shape, attrs, residual=ep.residual is not None)
-            if kernel.startswith(("ref", "unsupported")):
+            kernel = current_oracle().conv_kernel(x_shape, w_shape, attrs, residual=residual)
+            if _kernel_refused(kernel):
                 raise Refused(f"oneDNN has only a reference kernel for it ({kernel})")
         except Refused as r:
             self.layers.append(LayerChoice(name, "tvm", reason=str(r), shape=shape))
             return None
-        kernel, timing = self._algorithm(attrs, kernel, x_shape, w_shape, residual=ep.residual is not None)
-        self.layers.append(LayerChoice(name, "onednn", kernel=kernel, shape=shape, timing=timing))
-        func = onednn.FUNCTIONS["conv2d_pre" if ep.pre is not None else "conv2d_add" if ep.residual is not None else "conv2d"]
-        return func, attrs
+        attrs, kernel, timing = self._algorithm(attrs, kernel, x_shape, w_shape, residual=residual)
+        attrs = attrs.replace(layer=len(self.layers))  # unique in the module: the report's and the library's key
+        self.layers.append(LayerChoice(name, "onednn", kernel=kernel, shape=shape, timing=timing, id=attrs.layer))
+        call = abi.CONV2D_PRE if ep.pre is not None else abi.CONV2D_ADD if residual else abi.CONV2D
+        return call, attrs
 
-    def _algorithm(self, attrs: list, kernel: str, x_shape, w_shape, *, residual: bool) -> tuple[str, str]:
-        """Set ``attrs[14]`` (the conv algorithm) for this layer; (kernel, timing text)."""
-        if self.winograd == "never" or list(w_shape[2:]) != [3, 3] or attrs[:2] != [1, 1] or attrs[6:9] != [1, 1, 1]:
-            return kernel, ""
-        wino = list(attrs)
-        wino[14] = 1
+    def _algorithm(self, attrs: abi.ConvAttrs, kernel: str, x_shape, w_shape, *, residual: bool):
+        """(attrs with the conv algorithm chosen, kernel, timing text) for this layer."""
+        if self.winograd == "never" or tuple(w_shape[2:]) != (3, 3) or attrs.strides != (1, 1):
+            return attrs, kernel, ""
+        if attrs.dilation != (1, 1) or attrs.groups != 1:
+            return attrs, kernel, ""
         # timed in the layout the layer will most likely get (blocked where C and O allow it)
-        width = onednn.block_width()
-        wino[10] = width if width and x_shape[1] % width == 0 else 0
-        wino[11] = width if width and w_shape[0] % width == 0 else 0
-        wino_kernel = onednn.implementation(x_shape, w_shape, wino, residual=residual)
-        if wino_kernel.startswith(("ref", "unsupported")):
+        oracle = current_oracle()
+        width = oracle.block_width()
+        wino = attrs.replace(
+            algorithm=1,
+            src_block=width if width and x_shape[1] % width == 0 else 0,
+            dst_block=width if width and w_shape[0] % width == 0 else 0,
+        )
+        wino_kernel = oracle.conv_kernel(x_shape, w_shape, wino, residual=residual)
+        if _kernel_refused(wino_kernel):
             # oneDNN 2.6 has Winograd kernels for AVX-512 only: elsewhere the layer stays direct
-            if self.winograd == "always":
-                return kernel, f"{NO_WINOGRAD} ({wino_kernel.split(':')[0]})"
-            return kernel, ""
+            if self.winograd == "always":  # asked for, not there: direct, and the reason recorded
+                return attrs, kernel, f"{NO_WINOGRAD} ({wino_kernel.split(':')[0]})"
+            return attrs, kernel, ""
         if self.winograd == "always":
-            attrs[14] = 1
-            return wino_kernel, "winograd (always)"
-        key = (tuple(x_shape), tuple(w_shape), tuple(wino), residual)
+            return attrs.replace(algorithm=1), wino_kernel, "winograd (always)"
+        key = (tuple(x_shape), tuple(w_shape), tuple(wino.values()), residual)
         if key not in self.timings:
-            direct = list(wino)
-            direct[14] = 0
-            self.timings[key] = onednn.time_conv(x_shape, w_shape, direct, wino, residual=residual)
+            self.timings[key] = oracle.time_conv(x_shape, w_shape, wino.replace(algorithm=0), wino, residual=residual)
         t_direct, t_wino = self.timings[key]
         timing = f"direct {t_direct:.3f} ms, winograd {t_wino:.3f} ms"
         if t_wino <= t_direct / WINOGRAD_GAIN:
-            attrs[14] = 1
-            return wino_kernel, timing
-        return kernel, timing
+            return attrs.replace(algorithm=1), wino_kernel, timing
+        return attrs, kernel, timing
 
-    def _attrs(self, ep: _Epilogue, x_shape, w_shape, out_shape) -> list[int]:
+    def _attrs(self, ep: _Epilogue, x_shape, w_shape, out_shape) -> abi.ConvAttrs:
         reason = conv2d_layout_reason(ep.conv)
         if reason:
             raise Refused(reason)
@@ -235,6 +252,8 @@ class UseOneDNNConv:
         if len(padding) == 2:
             padding = padding * 2
         dilation = [int(d) for d in a.dilation]
+        if min(strides + dilation + [int(a.groups)]) < 1:
+            raise Refused(f"strides {strides}, dilation {dilation}, groups {int(a.groups)}: each must be >= 1")
         # the output size oneDNN will compute: (in + pad - ((k - 1) * dilation + 1)) // stride + 1
         want = [
             (x_shape[2 + i] + padding[i] + padding[2 + i] - ((w_shape[2 + i] - 1) * dilation[i] + 1)) // strides[i] + 1
@@ -242,8 +261,9 @@ class UseOneDNNConv:
         ]
         if list(out_shape[2:]) != want or min(want) < 1 or out_shape[1] != w_shape[0] or out_shape[0] != x_shape[0]:
             raise Refused(f"the conv's output {list(out_shape)} is not the {want} oneDNN computes")
-        bits = [onednn.float_bits(ep.alpha), onednn.float_bits(ep.beta)]
-        return [*strides, *padding, *dilation, int(a.groups), ACT_CODES[ep.act], 0, 0, *bits, 0]
+        return abi.ConvAttrs.make(
+            strides=strides, padding=padding, dilation=dilation, groups=int(a.groups), act=ep.act, alpha=ep.alpha, beta=ep.beta
+        )
 
     def constant(self, expr: relax.Expr, caller_args: Mapping) -> float:
         """The value of a scalar clip bound (a constant, a weight parameter's value, or a
@@ -266,101 +286,134 @@ class UseOneDNNConv:
         if op in self._NUMPY and depth < 8:
             return np.asarray(self._NUMPY[op](*[self._evaluate(a, depth=depth + 1) for a in expr.args]))
         if op in ("relax.astype", "relax.reshape") and depth < 8 and static_shape(expr) is not None:
-            value = self._evaluate(expr.args[0], depth=depth + 1)
+            inner, *_ = expr.args
+            value = self._evaluate(inner, depth=depth + 1)
             return value.astype(dtype_of(expr)).reshape(static_shape(expr))
         raise Refused("a clip bound is not a compile-time value")
 
 
 
+F32 = np.finfo(np.float32)
+
+
 def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue:
-    """The conv epilogue of a ``layerfuse_conv2d_*`` function, its operands as caller expressions."""
+    """The conv epilogue of a ``layerfuse_conv2d_*`` (or ``layerfuse_bn_relu_*``) function, its
+    operands as caller expressions: what :func:`.fuse_epilogue.match_group` (the fusion pass's
+    own patterns) matched, each activation turned into the library's post-op
+    (:data:`.abi.ACTIVATIONS`) or refused with the reason."""
     arg_of = dict(zip(func.params, args))
-    bindings = [b for block in func.body.blocks for b in block.bindings]
-    ep: Optional[_Epilogue] = None
-    chain = None
-    pre = _prologue(bindings)
+
+    def outer(e):
+        return arg_of.get(e, e)
+
+    composite = str(func.attrs["Composite"])
+    pre = None
+    template = composite
+    if composite.startswith(PROLOGUE_PREFIX):
+        pre = _prologue(func)
+        template = "layerfuse_" + composite.removeprefix(PROLOGUE_PREFIX)
+    var2val = relax.analysis.get_var2val(func)
+    result = var2val.get(func.body.body)
+    if template == PREFIX and op_name(result) == "relax.nn.conv2d":  # a bare conv after a prologue
+        data, weight = result.args
+        notes = {"conv": result, "data": data, "weight": weight}
+        residual_kind, activation = None, None
+    else:
+        m = match_group(func, template=template)
+        if m is None:
+            raise Refused(f"the group's body ({template}) is none of the epilogue patterns")
+        notes, residual_kind, activation = dict(m.notes), m.residual, m.activation
+    conv = notes["conv"]
+    data = notes["data"]
     if pre is not None:
-        bindings = bindings[3:]
-    for b in bindings:
-        v = b.value
-        op = op_name(v)
-        if op == "relax.nn.conv2d" and ep is None:
-            if pre is not None and not v.args[0].same_as(pre[3]):
-                raise Refused("the conv does not read the prologue's result")
-            data = pre[0] if pre is not None else v.args[0]
-            ep = _Epilogue(conv=v, data=arg_of.get(data, data), weight=arg_of.get(v.args[1], v.args[1]))
-            if pre is not None:
-                ep.pre = (arg_of.get(pre[1], pre[1]), arg_of.get(pre[2], pre[2]))
-            chain = b.var
-            continue
-        if ep is None or not isinstance(v, relax.Call) or not any(a.same_as(chain) for a in v.args):
-            raise Refused(f"the group computes {op or type(v).__name__} outside the conv chain")
-        others = [a for a in v.args if not a.same_as(chain)]
-        if not others and op in ("relax.add", "relax.multiply"):  # conv + conv, conv * conv
-            raise Refused(f"the group's {op.split('.')[-1]} reads the conv's result twice")
-        if op == "relax.add" and ep.bias is None and ep.residual is None and ep.act is None and _is_bias(others[0], ep):
-            ep.bias = arg_of.get(others[0], others[0])
-        elif op == "relax.add" and ep.residual is None and ep.act is None:
-            if static_shape(others[0]) != static_shape(b.var):
-                raise Refused("the add after the conv is neither a per-channel bias nor a full-size residual")
-            ep.residual = arg_of.get(others[0], others[0])
-        elif op == "relax.nn.relu" and ep.act is None:
-            ep.act = "relu"
-        elif op == "relax.nn.leakyrelu" and ep.act is None:
-            ep.act, ep.alpha = "leakyrelu", float(v.attrs.alpha)
-        elif op == "relax.nn.silu" and ep.act is None:
-            ep.act = "silu"
-        elif op == "relax.sigmoid" and ep.act is None:
-            if any(op_name(later.value) == "relax.multiply" and any(a.same_as(b.var) for a in later.value.args)
-                   and any(a.same_as(chain) for a in later.value.args) for later in bindings):
-                continue  # sigmoid(z), read by the multiply of silu below; z stays the chain
-            ep.act = "sigmoid"
-        elif op == "relax.multiply" and ep.act is None and op_name(_value(func, others[0])) == "relax.sigmoid":
-            ep.act = "silu"
-        elif op in ("relax.maximum", "relax.minimum", "relax.clip") and ep.act in (None, "clip"):
-            if ep.act is None:
-                ep.act, ep.alpha, ep.beta = "clip", float(np.finfo(np.float32).min), float(np.finfo(np.float32).max)
-            if op == "relax.clip":
-                ep.alpha, ep.beta = chooser.constant(v.args[1], {}), chooser.constant(v.args[2], {})
-            elif op == "relax.maximum":
-                ep.alpha = chooser.constant(others[0], arg_of)
-            else:
-                ep.beta = chooser.constant(others[0], arg_of)
-        else:
-            raise Refused(f"oneDNN has no post-op for {op} here")
-        chain = b.var
-    if ep is None:
-        raise Refused("no conv2d in the group")
-    if not isinstance(func.body.body, relax.Var) or not func.body.body.same_as(chain):
-        raise Refused("the group's result is not the end of its conv epilogue")
+        x, s, t, y = pre
+        if not (data.same_as(y) or data.same_as(var2val.get(y))):  # (the match may give the bound value)
+            raise Refused("the conv does not read the prologue's result")
+        data = x
+    ep = _Epilogue(conv=conv, data=outer(data), weight=outer(notes["weight"]))
+    if pre is not None:
+        ep.pre = (outer(s), outer(t))
+    chain = [conv, notes.get("bias_add")]
+    if "bias" in notes:
+        if not _is_bias(notes["bias"], ep):
+            raise Refused("the add after the conv is not a per-channel bias")
+        ep.bias = outer(notes["bias"])
+    if residual_kind is not None:
+        r = notes["residual"]
+        r_value = var2val.get(r, r) if isinstance(r, relax.Var) else r
+        if any(c is not None and r_value.same_as(c) for c in chain):
+            raise Refused(f"the group's {RESIDUALS[residual_kind].split('.')[-1]} reads the conv's result twice")
+        if residual_kind != "add":
+            raise Refused(f"oneDNN has no post-op for the {residual_kind} epilogue here")
+        ep.residual = outer(r)
+    if activation is not None:
+        ep.act, ep.alpha, ep.beta = _post_op(activation, notes, lambda e: chooser.constant(e, arg_of))
     return ep
 
 
-def _prologue(bindings) -> Optional[tuple]:
-    """(x, s, t, y) when the group starts ``y = relu(x * s + t)`` with per-channel ``s``, ``t``
-    (InlinePrologue's pre-activation BatchNorm + ReLU), else None."""
-    if len(bindings) < 4 or [op_name(b.value) for b in bindings[:3]] != ["relax.multiply", "relax.add", "relax.nn.relu"]:
-        return None
-    mul, add, relu = (b.value for b in bindings[:3])
-    x_shape = static_shape(mul.args[0])
+def _near(value: float, want: float) -> bool:
+    return abs(value - want) <= 1e-6 * max(1.0, abs(want))
+
+
+def _post_op(activation: str, notes: Mapping, const) -> tuple[str, float, float]:
+    """(library activation, alpha, beta) of a matched activation (``const``: a note's value)."""
+    act = notes["act"]
+    if activation == "relu":
+        return "relu", 0.0, 0.0
+    if activation == "leakyrelu":
+        return "relu", float(act.attrs.alpha), 0.0
+    if activation in ("silu", "sigmoid"):
+        return activation, 0.0, 0.0
+    if activation == "clip":
+        lo = const(notes["lo"]) if "lo" in notes else float(F32.min)
+        hi = const(notes["hi"]) if "hi" in notes else float(F32.max)
+        return "clip", lo, hi
+    if activation == "hardsigmoid":  # clip(a*z + b, 0, 1): linear(a, b), then clip [0, 1]
+        if not (_near(const(notes["hsig_lo"]), 0.0) and _near(const(notes["hsig_hi"]), 1.0)):
+            raise Refused("a HardSigmoid whose clip is not [0, 1]")
+        return "hardsigmoid", const(notes["hsig_a"]), const(notes["hsig_b"])
+    if activation == "hardswish":  # oneDNN's is x * relu6(x + 3) / 6, constants fixed
+        if "hs_a" in notes:
+            wanted = {"hs_a": 1 / 6, "hs_b": 0.5, "hs_lo": 0.0, "hs_hi": 1.0}
+        else:
+            wanted = {"hs_add": 3.0, "hs_lo": 0.0, "hs_hi": 6.0, "hs_div": 6.0}
+        if not all(_near(const(notes[k]), v) for k, v in wanted.items()):
+            raise Refused("a HardSwish-like epilogue with other constants than HardSwish's")
+        return "hardswish", 0.0, 0.0
+    if activation == "gelu":
+        op = op_name(act)
+        if op == "relax.nn.gelu":
+            return "gelu_erf", 0.0, 0.0
+        if op == "relax.nn.gelu_tanh":
+            return "gelu_tanh", 0.0, 0.0
+        wanted = {"gelu_sqrt2": 2**0.5, "gelu_one": 1.0, "gelu_half": 0.5}
+        if not all(_near(const(notes[k]), v) for k, v in wanted.items()):
+            raise Refused("a GELU-like epilogue with other constants than GELU's")
+        return "gelu_erf", 0.0, 0.0
+    raise Refused(f"oneDNN has no post-op for {activation} here")
+
+
+def _prologue(func: relax.Function) -> tuple:
+    """(x, s, t, y) of the group's leading ``y = relu(x * s + t)`` with per-channel ``s``, ``t``
+    (InlinePrologue's pre-activation BatchNorm + ReLU); refused otherwise."""
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    if len(bindings) < 4:
+        raise Refused("the prologue group has no conv after its prologue")
+    first, second, third = bindings[:3]
+    if [op_name(b.value) for b in (first, second, third)] != ["relax.multiply", "relax.add", "relax.nn.relu"]:
+        raise Refused("the group does not start with relu(x * s + t)")
+    x, s = first.value.args
+    mul, t = second.value.args
+    (added,) = third.value.args
+    x_shape = static_shape(x)
     if x_shape is None or len(x_shape) != 4:
-        return None
+        raise Refused("the prologue's input is not a static 4-d tensor")
     per_channel = ((1, x_shape[1], 1, 1), (x_shape[1], 1, 1))
-    if static_shape(mul.args[1]) not in per_channel or static_shape(mul.args[0]) != static_shape(bindings[0].var):
-        return None
-    if not add.args[0].same_as(bindings[0].var) or static_shape(add.args[1]) not in per_channel:
-        return None
-    if not relu.args[0].same_as(bindings[1].var):
-        return None
-    return mul.args[0], mul.args[1], add.args[1], bindings[2].var
-
-
-def _value(func: relax.Function, var) -> Optional[relax.Expr]:
-    for block in func.body.blocks:
-        for b in block.bindings:
-            if b.var.same_as(var):
-                return b.value
-    return None
+    if static_shape(s) not in per_channel or static_shape(first.var) != x_shape:
+        raise Refused("the prologue's scale is not per channel")
+    if not mul.same_as(first.var) or static_shape(t) not in per_channel or not added.same_as(second.var):
+        raise Refused("the prologue is not relu(x * s + t) with a per-channel shift")
+    return x, s, t, third.var
 
 
 def _is_bias(expr, ep: _Epilogue) -> bool:
@@ -389,7 +442,8 @@ class _Rewriter(relax.PyExprMutator):
         elif op_name(call) == "relax.nn.conv2d":
             self.bare += 1
             name = f"conv2d_{self.bare - 1}" if self.bare > 1 else "conv2d"
-            new = self._replace(name, call, lambda: _Epilogue(conv=call, data=call.args[0], weight=call.args[1]))
+            data, weight = call.args
+            new = self._replace(name, call, lambda: _Epilogue(conv=call, data=data, weight=weight))
         return super().visit_call_(call) if new is None else new
 
     def _replace(self, name: str, call: relax.Call, parse) -> Optional[relax.Expr]:
@@ -402,17 +456,16 @@ class _Rewriter(relax.PyExprMutator):
         chosen = self.chooser.choose(name, ep, out_shape)
         if chosen is None:
             return None
-        func, attrs = chosen
+        library_call, attrs = chosen
         o = static_shape(ep.weight)[0]
         if ep.bias is not None:
             bias = relax.op.reshape(self.visit_expr(ep.bias), [o])
         else:
             bias = relax.const(np.zeros([o], "float32"))
-        args = [self.visit_expr(ep.data), self.visit_expr(ep.weight), bias]
+        roles = {"input": self.visit_expr(ep.data), "weight": self.visit_expr(ep.weight), "bias": bias}
         if ep.pre is not None:  # conv2d_pre(x, s, t, W, b, attrs)
             c = static_shape(ep.data)[1]
-            args[1:1] = [relax.op.reshape(self.visit_expr(e), [c]) for e in ep.pre]
+            roles["scale"], roles["shift"] = (relax.op.reshape(self.visit_expr(e), [c]) for e in ep.pre)
         if ep.residual is not None:
-            args.append(self.visit_expr(ep.residual))
-        args.append(relax.ShapeExpr(attrs))
-        return relax.call_dps_packed(func, args, relax.TensorType(list(out_shape), "float32"))
+            roles["residual"] = self.visit_expr(ep.residual)
+        return abi.make(library_call, attrs=attrs, **roles).expr(relax.TensorType(list(out_shape), "float32"))

@@ -1,0 +1,91 @@
+"""Mobile-network epilogues under the oneDNN tactic: the epilogue the fusion pass matched (its
+own patterns, not a second matcher) becomes a oneDNN post-op where oneDNN has one -
+HardSwish (every form exporters write), HardSigmoid (linear then clip) and GELU (the op, and
+the erf form) - and the answers equal onnxruntime's. PReLU and look-alikes with other
+constants stay with TVM, with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from test_activation_epilogues import FORMS, _act
+from tvm import relax
+
+from graphs import Net, rel_err
+from tvm_layerfuse.compile.presets import resolve
+from tvm_layerfuse.compile.tactics import onednn
+from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
+from tvm_layerfuse.lowering import layerfuse_pipeline
+from tvm_layerfuse.relax.pipeline import fuse_with_report
+from tvm_layerfuse.testing import random_inputs, run_onnxruntime
+
+RTOL = 1e-4
+MISSING = onednn.availability()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
+
+
+def _model(form: str, *, bn: bool, seed: int):
+    _, _, opset = FORMS.get(form, (None, None, 13))
+    n = Net(seed=seed, opset=opset)
+    x = n.input("x", (1, 16, 10, 10))
+    y = n.conv(x, 32, name="c", bias=not bn)
+    if bn:
+        y = n.bn(y, name="bn")
+    y = _act(n, form, y)
+    return n.build([n.conv(y, 16, k=1, name="next")])
+
+
+def _run(model):
+    feeds = random_inputs(model, 0)
+    (expected,) = run_onnxruntime(model, feeds)
+    chooser = UseOneDNNConv(winograd="never")
+    mod = chooser(fuse_with_report(model, bind=True).mod)
+    tgt = resolve("cpu").tvm_target()
+    ex = tvm.compile(mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
+    got = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in feeds.values()])
+    assert np.abs(expected).max() > 1e-3, "dead output"
+    return rel_err(got.numpy(), expected), chooser.layers
+
+
+@pytest.mark.parametrize(
+    "form, suffix",
+    [
+        ("HardSwish", "hardswish"),
+        ("HardSwish=x*HardSigmoid(x)", "hardswish"),
+        ("HardSwish=x*Clip(x+3,0,6)/6", "hardswish"),
+        ("HardSwish=x*(Clip(x+3,0,6)/6)", "hardswish"),
+        ("Gelu", "gelu"),
+        ("Gelu=x*0.5*(1+erf(x/sqrt2))", "gelu"),
+        ("HardSigmoid", "hardsigmoid"),
+    ],
+)
+def test_activation_becomes_a_onednn_post_op_and_matches_onnxruntime(form, suffix):
+    err, layers = _run(_model(form, bn=False, seed=len(form)))
+    assert err <= RTOL, err
+    (layer,) = [c for c in layers if c.layer.startswith(f"layerfuse_conv2d_bias_{suffix}")]
+    assert layer.tactic == "onednn", layer
+
+
+def test_hardswish_after_batchnorm_is_taken():
+    err, layers = _run(_model("HardSwish", bn=True, seed=3))
+    assert err <= RTOL, err
+    assert any(c.tactic == "onednn" and "hardswish" in c.layer for c in layers), layers
+
+
+def test_prelu_and_lookalikes_stay_with_tvm_with_the_reason():
+    err, layers = _run(_model("PRelu", bn=False, seed=5))
+    assert err <= RTOL
+    (layer,) = [c for c in layers if "prelu" in c.layer]
+    assert layer.tactic == "tvm" and "prelu" in layer.reason
+
+    n = Net(seed=6)
+    x = n.input("x", (1, 16, 10, 10))
+    y = n.conv(x, 32, name="c")
+    three = n.const(np.array(2.0, np.float32))  # x * Clip(x + 2, 0, 6) / 6: no HardSwish
+    clip = n.node("Clip", [n.node("Add", [y, three]), n.const(np.array(0.0, np.float32)), n.const(np.array(6.0, np.float32))])
+    y = n.node("Div", [n.node("Mul", [y, clip]), n.const(np.array(6.0, np.float32))])
+    err, layers = _run(n.build([n.conv(y, 16, k=1, name="next")]))
+    assert err <= RTOL
+    odd = [c for c in layers if "hardswish" in c.layer]
+    assert all(c.tactic == "tvm" and "other constants" in c.reason for c in odd)
