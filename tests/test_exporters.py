@@ -345,6 +345,7 @@ def test_plan_relax_mismatch_is_an_error_or_a_corrected_plan(monkeypatch):
         return real(plan_spec={w: dataclasses.replace(s, residual=None) for w, s in plan_spec.items()})
 
     monkeypatch.setattr(pipeline, "FuseConv2DEpilogue", without_extra_inputs)
+    monkeypatch.setenv(STRICT_PLAN_ENV, "1")
     model = exporters.p2o_text_direction_classifier(image=IMAGE, seed=3)
     shapes = {"input": list(P2O_SHAPE)}
     with pytest.raises(PlanMismatchError, match=r"eltwise_merged planned 9, done 0; not carried out: .* into conv 'p2o"):

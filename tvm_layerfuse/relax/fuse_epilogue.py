@@ -192,10 +192,11 @@ def _chain_patterns(bias: bool, residual: Optional[str], activation: Optional[st
         return
     for pattern, extra in _activation_patterns(z)[activation]:
         if residual in AFTER_ACTIVATION:
-            r = wildcard()
             op = is_op(RESIDUALS[residual])
-            gated = op(pattern, r) | op(r, pattern)  # exporters write either operand order
-            yield gated, {**notes, **extra, "residual": r, "residual_op": gated}
+            for order in (0, 1):  # exporters write either operand order (one pattern each: an
+                r = wildcard()  # or-pattern does not annotate the operand it matched)
+                gated = op(pattern, r) if order == 0 else op(r, pattern)
+                yield gated, {**notes, **extra, "residual": r, "residual_op": gated}
         else:
             yield pattern, {**notes, **extra}
 
