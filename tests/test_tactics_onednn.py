@@ -3,6 +3,7 @@ post-op kind, the artifact carries the library and loads it in a runtime-only pr
 the fallbacks where oneDNN is missing (compile: TVM kernels + one warning line; load: one
 line naming the library and its install command)."""
 
+import functools
 import json
 import logging
 import sys
@@ -19,6 +20,7 @@ from graphs import rel_err, run_runtime_only
 from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.tactics import apply_tactics, format_tactics, onednn
+from tvm_layerfuse.compile.tactics.abi import ABI_VERSION, ACTIVATIONS, ConvAttrs
 from tvm_layerfuse.compile.tactics.use_onednn import NO_WINOGRAD, WINOGRAD_GAIN, UseOneDNNConv
 from tvm_layerfuse.errors import ArtifactError, BuildError
 from tvm_layerfuse.lowering import layerfuse_pipeline
@@ -31,11 +33,16 @@ MISSING = onednn.availability()
 needs_onednn = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
 
 
+@functools.cache
 def _winograd_here() -> bool:
     """Whether oneDNN has a Winograd kernel on this CPU, asked for a probe layer (3x3, stride
     1, 32 -> 32 channels): oneDNN 2.6 has them for AVX-512 only."""
+    if MISSING is not None:
+        return False
     width = onednn.block_width()
-    attrs = [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, width, width, 0, 0, 1]
+    attrs = ConvAttrs.make(strides=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1), groups=1).replace(
+        algorithm=1, src_block=width, dst_block=width
+    )
     return not onednn.implementation([1, 32, 14, 14], [32, 32, 3, 3], attrs, residual=False).startswith(("ref", "unsupported"))
 
 
@@ -62,7 +69,8 @@ def _run_with_tactic(model, *, fuse=True, winograd="timed"):
 @needs_onednn
 def test_extension_gives_optimised_kernels():
     assert onednn.version().startswith("2.")
-    k = onednn.implementation([1, 64, 28, 28], [96, 64, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0], residual=True)
+    attrs = ConvAttrs.make(strides=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1), groups=1, act="relu")
+    k = onednn.implementation([1, 64, 28, 28], [96, 64, 3, 3], attrs, residual=True)
     assert k and not k.startswith("ref"), k
 
 
@@ -93,7 +101,8 @@ def test_winograd_algorithm_matches_onnxruntime(winograd):
         assert wino and all(c.timing == "winograd (always)" for c in wino)
     else:
         timed = [c for c in convs if c.timing]
-        assert timed and all(c.timing.startswith("direct ") and " ms, winograd " in c.timing for c in timed)
+        assert timed, "layers are timed where a Winograd kernel exists"
+        assert all(c.timing.startswith("direct ") and " ms, winograd " in c.timing for c in timed)
         assert {c.layer for c in timed} <= {c.layer for c in three}
         assert all("wino" in c.kernel for c in timed if _winograd_won(c.timing))
 
@@ -169,17 +178,21 @@ def test_a_conv_result_combined_with_itself_stays_correct(op):
 @needs_onednn
 def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length():
     width = onednn.block_width()
-    direct = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, width, width, 0, 0, 0]
+    direct = ConvAttrs.make(strides=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1), groups=1, act="relu").replace(
+        src_block=width, dst_block=width
+    )
     if _winograd_here():
-        times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct[:14] + [1], residual=False)
+        times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct.replace(algorithm=1), residual=False)
         assert len(times) == 2 and all(t > 0 for t in times), times
     else:  # no Winograd kernel on this CPU: timing one is refused with oneDNN's reason
         with pytest.raises(Exception, match="oneDNN failed"):
-            onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct[:14] + [1], residual=False)
-    times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct[:10] + [0, 0] + direct[12:], residual=False)
+            onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct.replace(algorithm=1), residual=False)
+    plain = direct.replace(src_block=0, dst_block=0, act=ACTIVATIONS["silu"])  # every CPU has it
+    times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, plain, residual=False)
     assert len(times) == 2 and all(t > 0 for t in times), times
-    with pytest.raises(Exception, match="attrs must have 15 entries"):
-        onednn.time_conv([1, 16, 8, 8], [16, 16, 3, 3], [1] * 14, [1] * 14, residual=False)
+    n = len(ConvAttrs.names())
+    with pytest.raises(Exception, match=f"attrs must have {n} entries"):
+        onednn.time_conv([1, 16, 8, 8], [16, 16, 3, 3], [1] * (n - 1), [1] * (n - 1), residual=False)
 
 
 @needs_onednn
@@ -244,7 +257,7 @@ def test_no_layer_gets_a_reference_kernel_and_blocked_layouts_use_the_block_widt
 
 @needs_onednn
 def test_attrs_with_an_unknown_block_width_are_refused():
-    attrs = [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0]  # src_block 1: the old flag, not a width
+    attrs = ConvAttrs().replace(src_block=1)  # the old 0/1 flag, not a width (replace() does not check)
     with pytest.raises(Exception, match="block width must be 0, 8 or 16, got 1"):
         onednn.implementation([1, 16, 8, 8], [16, 16, 3, 3], attrs, residual=False)
 
@@ -290,7 +303,7 @@ def test_artifact_carries_the_library_and_runs_runtime_only(tmp_path, capsys):
     t = m["tactics"]
     assert t["used"] == "onednn" and t["counts"]["onednn"] == 26 + 4  # 26 conv layers, 3 max-pools, the global average
     (entry,) = t["libraries"]
-    expected = {"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL}
+    expected = {"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL, "abi_version": ABI_VERSION}
     assert {k: entry[k] for k in expected} == expected and entry["built_against"]["version"].startswith("2.")
     assert onednn.LIBRARY_FILE in m["files"] and (out / onednn.LIBRARY_FILE).is_file()
     text = format_tactics(t)
@@ -393,20 +406,20 @@ def test_differential_fuzzing_covers_the_tactic_choice_widely(case):
 
 
 def test_deploy_checks_the_tactic_library_entries_before_uploading(tmp_path):
-    """deploy uploads an artifact's tactic library (tests/test_onednn_shipping.py runs it); an
-    entry that names no file of the artifact is refused here, before anything is uploaded."""
+    """Deploy uploads an artifact's tactic library (tests/test_onednn_shipping.py); an entry
+    that names no file of the artifact is refused in one line before anything is sent."""
     import shutil
 
     from tvm_layerfuse.deploy.inputs import check_library, tactic_entries
 
     shutil.copyfile(sys.executable, tmp_path / "model.so")  # any x86_64 ELF
-    entry = {"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL}
-    manifest = {"library": "model.so", "target": {"machine": "x86_64"}, "files": {"model.so": "0", onednn.LIBRARY_FILE: "1"},
-                "tactics": {"libraries": [entry]}}  # fmt: skip
+    manifest = {"library": "model.so", "target": {"machine": "x86_64"}, "tactics": {"libraries": []}, "files": {}}
     check_library(tmp_path, manifest)
-    assert tactic_entries(tmp_path, manifest) == [{**entry, "sha256": "1"}]
-    del manifest["files"][onednn.LIBRARY_FILE]
+    manifest["tactics"]["libraries"] = [{"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME]}]
     with pytest.raises(ArtifactError) as e:
         check_library(tmp_path, manifest)
     msg = str(e.value)
     assert "\n" not in msg and onednn.LIBRARY_FILE in msg and "re-run `compile`" in msg
+    manifest["files"][onednn.LIBRARY_FILE] = "0" * 64
+    check_library(tmp_path, manifest)  # shipped with the artifact: uploaded with it
+    assert [e["file"] for e in tactic_entries(tmp_path, manifest)] == [onednn.LIBRARY_FILE]
