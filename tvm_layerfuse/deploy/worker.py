@@ -43,22 +43,23 @@ def main() -> None:
 
     job = json.loads(sys.stdin.read())
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    failure = None
     try:
-        _run(job, emit)
-        emit("done")
-    except StepFailure as f:
-        kind, message = f.kind, f.message
-        # a refusal on the board: close its session first (the traceback's frames hold it), so
-        # that TVM's server sees an orderly end and goes on serving; a session cut by the kill
-        # that follows the error event would stop the server's accept loop
-        f.__traceback__ = None
-        del f
-        import gc
+        try:
+            _run(job, emit)
+            emit("done")
+        except StepFailure as f:
+            failure = (f.kind, f.message)
+        except BaseException as e:  # noqa: BLE001 - everything reaches the parent as one line
+            emit("error", kind="internal", message=f"the RPC client failed: {type(e).__name__}: {first_line(e, last=True)}")
+        if failure is not None:
+            # A refusal on the board: the exception is gone here, and with it the frames that held
+            # the session; collecting them closes the session in order (TVM's server then goes on
+            # serving; a session cut by the kill that follows the error event would stop its loop).
+            import gc
 
-        gc.collect()
-        emit("error", kind=kind, message=message)
-    except BaseException as e:  # noqa: BLE001 - everything reaches the parent as one line
-        emit("error", kind="internal", message=f"the RPC client failed: {type(e).__name__}: {first_line(e, last=True)}")
+            gc.collect()
+            emit("error", kind=failure[0], message=failure[1])
     finally:
         events.close()
 
