@@ -356,7 +356,8 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
         if residual_kind in AFTER_ACTIVATION:
             # after the activation: the conv and its activation on oneDNN, the op on TVM's kernel
             op = notes["residual_op"]
-            ep.tail = (op_name(op), outer(r), not _reads(op.args[1], r, var2val))
+            _, second = op.args
+            ep.tail = (op_name(op), outer(r), _reads(second, r, var2val))
             ep.conv_shape = static_shape(conv)  # bias and activation keep it
         elif residual_kind != "add":
             raise Refused(f"oneDNN has no post-op for the {residual_kind} epilogue here")
