@@ -113,16 +113,3 @@ def test_squeeze_excitation_gate_conv_is_taken_and_the_multiply_stays_after_it(g
     (gate,) = [c for c in layers if c.layer.endswith("_gate") or "_gate_" in c.layer]
     assert gate.tactic == "onednn", gate
     assert all(c.tactic == "onednn" for c in layers if not c.layer.startswith(("pool:", "dense:", "concat:"))), layers
-
-
-def test_activation_then_shortcut_add_conv_is_taken():
-    """YOLO's bottleneck: ``relu(conv(x) + b) + r`` - the conv and relu on oneDNN, the add on TVM."""
-    n = Net(seed=31)
-    x = n.input("x", (1, 16, 10, 10))
-    r = n.relu(n.conv(x, 16, name="a"))
-    y = n.relu(n.conv(r, 16, name="b"))
-    out = n.node("Add", [r, y], shape=(1, 16, 10, 10))
-    err, layers = _run(n.build([n.conv(out, 8, k=1, pad=0, name="c")]))
-    assert err <= RTOL, err
-    (post,) = [c for c in layers if "post_add" in c.layer]
-    assert post.tactic == "onednn", post

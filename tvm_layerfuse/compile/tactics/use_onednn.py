@@ -22,13 +22,14 @@ with ``attrs`` an :class:`.abi.ConvAttrs` record (geometry, the activation's cod
 algorithm) carried as one ``R.shape``. The epilogue is what the fusion pass itself matched
 (:func:`tvm_layerfuse.relax.fuse_epilogue.match_group`, its named patterns): relu,
 LeakyRelu, clip, silu, sigmoid, HardSwish, HardSigmoid and GELU (erf or tanh) become
-oneDNN post-ops; multiplies before the activation and PReLU stay with TVM. What comes
-after the activation (a squeeze-and-excitation gate ``act(conv(x, W) + b) * g``, with ``g`` a
-map of the conv's ``[N, C, 1, 1]``; a shortcut ``act(conv(x, W) + b) + r``) has no oneDNN
-post-op: the conv and its activation become the library call and the op stays a Relax op
-after it, for TVM's own fusion and schedules::
+oneDNN post-ops; multiplies before the activation, adds after it and PReLU stay with TVM.
+A squeeze-and-excitation gate ``act(conv(x, W) + b) * g`` (``g`` a map of the conv's
+``[N, C, 1, 1]``) has no oneDNN post-op, as its output is larger than the conv's: the conv
+and its activation become the library call and the multiply stays a Relax op after it, for
+TVM's own fusion and schedules (one launch more than TVM's fused kernel, a conv on the
+library instead of TVM's loop nest)::
 
-    y = gate(act(conv2d(x, W) + b), g)  ==  R.multiply(R.call_dps_packed("layerfuse.onednn.conv2d", ...), g)
+    y = act(conv2d(x, W) + b) * g  ==  R.multiply(R.call_dps_packed("layerfuse.onednn.conv2d", ...), g)
 A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend
 on weights only, so ``LiftTransformParams`` computes them at compile time.
 
@@ -82,7 +83,7 @@ from ...relax._ir import (
     relax_functions,
     static_shape,
 )
-from ...relax.fuse_epilogue import AFTER_ACTIVATION, PREFIX, RESIDUALS, match_group
+from ...relax.fuse_epilogue import PREFIX, RESIDUALS, match_group
 from ...relax.fuse_prologue import PROLOGUE_PREFIX
 from . import abi
 from .choice import LayerChoice
@@ -111,8 +112,8 @@ class _Epilogue:
     alpha: float = 0.0
     beta: float = 0.0
     pre: Optional[tuple] = None  # (s, t): the conv reads relu(data * s + t), s and t per channel
-    # (op, operand, operand first): an op after the activation that oneDNN has no post-op for (a
-    # gate's multiply, a post-activation add); the layer's output is op(conv's, operand), by TVM
+    # (op, operand, conv's first): an op after the activation that oneDNN has no post-op for (a
+    # gate's multiply); the layer's output is op(the conv's, operand), by TVM
     tail: Optional[tuple] = None
     conv_shape: Optional[tuple] = None  # the conv's output shape (a gate broadcasts beyond it)
 
@@ -353,8 +354,8 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
         r_value = var2val.get(r, r) if isinstance(r, relax.Var) else r
         if any(c is not None and r_value.same_as(c) for c in chain):
             raise Refused(f"the group's {RESIDUALS[residual_kind].split('.')[-1]} reads the conv's result twice")
-        if residual_kind in AFTER_ACTIVATION:
-            # after the activation: the conv and its activation on oneDNN, the op on TVM's kernel
+        if residual_kind == "gate":
+            # after the activation: the conv and its activation on oneDNN, the multiply on TVM's kernel
             op = notes["residual_op"]
             _, second = op.args
             ep.tail = (op_name(op), outer(r), _reads(second, r, var2val))
