@@ -89,3 +89,27 @@ def test_prelu_and_lookalikes_stay_with_tvm_with_the_reason():
     assert err <= RTOL
     odd = [c for c in layers if "hardswish" in c.layer]
     assert all(c.tactic == "tvm" and "other constants" in c.reason for c in odd)
+
+
+def _gated(*, gate_first: bool, scale: str, seed: int):
+    """A squeeze-and-excitation block as torchvision writes it: x = relu(conv(in));
+    s = scale(fc2(relu(fc1(GlobalAveragePool(x))))); Mul(s, x) (or Mul(x, s)); then a 1x1 conv."""
+    n = Net(seed=seed)
+    x = n.input("x", (1, 16, 12, 12))
+    x = n.relu(n.conv(x, 24, name="c"))
+    s = n.node("GlobalAveragePool", [x], shape=(1, 24, 1, 1))
+    s = n.relu(n.conv(s, 8, k=1, pad=0, name="fc1"))
+    s = n.node(scale, [n.conv(s, 24, k=1, pad=0, name="fc2")], shape=(1, 24, 1, 1))
+    y = n.node("Mul", [s, x] if gate_first else [x, s], shape=(1, 24, 12, 12))
+    return n.build([n.conv(y, 16, k=1, pad=0, name="project")])
+
+
+@pytest.mark.parametrize("gate_first, scale", [(True, "Sigmoid"), (False, "HardSigmoid")])
+def test_squeeze_excitation_gate_conv_is_taken_and_the_multiply_stays_after_it(gate_first, scale):
+    """The gate's conv and its activation on oneDNN; ``* x`` after it, on TVM, in the order
+    the model wrote it; answers equal onnxruntime's."""
+    err, layers = _run(_gated(gate_first=gate_first, scale=scale, seed=21 + gate_first))
+    assert err <= RTOL, err
+    (gate,) = [c for c in layers if c.layer.endswith("_gate") or "_gate_" in c.layer]
+    assert gate.tactic == "onednn", gate
+    assert all(c.tactic == "onednn" for c in layers if not c.layer.startswith(("pool:", "dense:", "concat:"))), layers

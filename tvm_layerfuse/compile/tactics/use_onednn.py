@@ -22,7 +22,14 @@ with ``attrs`` an :class:`.abi.ConvAttrs` record (geometry, the activation's cod
 algorithm) carried as one ``R.shape``. The epilogue is what the fusion pass itself matched
 (:func:`tvm_layerfuse.relax.fuse_epilogue.match_group`, its named patterns): relu,
 LeakyRelu, clip, silu, sigmoid, HardSwish, HardSigmoid and GELU (erf or tanh) become
-oneDNN post-ops; gates, multiplies, adds after the activation and PReLU stay with TVM.
+oneDNN post-ops; multiplies before the activation, adds after it and PReLU stay with TVM.
+A squeeze-and-excitation gate ``act(conv(x, W) + b) * g`` (``g`` a map of the conv's
+``[N, C, 1, 1]``) has no oneDNN post-op, as its output is larger than the conv's: the conv
+and its activation become the library call and the multiply stays a Relax op after it, for
+TVM's own fusion and schedules (one launch more than TVM's fused kernel, a conv on the
+library instead of TVM's loop nest)::
+
+    y = act(conv2d(x, W) + b) * g  ==  R.multiply(R.call_dps_packed("layerfuse.onednn.conv2d", ...), g)
 A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend
 on weights only, so ``LiftTransformParams`` computes them at compile time.
 
@@ -105,6 +112,10 @@ class _Epilogue:
     alpha: float = 0.0
     beta: float = 0.0
     pre: Optional[tuple] = None  # (s, t): the conv reads relu(data * s + t), s and t per channel
+    # (op, operand, conv's first): an op after the activation that oneDNN has no post-op for (a
+    # gate's multiply); the layer's output is op(the conv's, operand), by TVM
+    tail: Optional[tuple] = None
+    conv_shape: Optional[tuple] = None  # the conv's output shape (a gate broadcasts beyond it)
 
 
 class Refused(Exception):
@@ -343,12 +354,24 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
         r_value = var2val.get(r, r) if isinstance(r, relax.Var) else r
         if any(c is not None and r_value.same_as(c) for c in chain):
             raise Refused(f"the group's {RESIDUALS[residual_kind].split('.')[-1]} reads the conv's result twice")
-        if residual_kind != "add":
+        if residual_kind == "gate":
+            # after the activation: the conv and its activation on oneDNN, the multiply on TVM's kernel
+            op = notes["residual_op"]
+            _, second = op.args
+            ep.tail = (op_name(op), outer(r), _reads(second, r, var2val))
+            ep.conv_shape = static_shape(conv)  # bias and activation keep it
+        elif residual_kind != "add":
             raise Refused(f"oneDNN has no post-op for the {residual_kind} epilogue here")
-        ep.residual = outer(r)
+        else:
+            ep.residual = outer(r)
     if activation is not None:
         ep.act, ep.alpha, ep.beta = _post_op(activation, notes, lambda e: chooser.constant(e, arg_of))
     return ep
+
+
+def _reads(arg, r, var2val) -> bool:
+    """``arg`` is the operand ``r`` (as matched: the variable or its bound value)."""
+    return arg.same_as(r) or (isinstance(arg, relax.Var) and var2val.get(arg, arg).same_as(r))
 
 
 def _near(value: float, want: float) -> bool:
@@ -453,6 +476,8 @@ class _Rewriter(relax.PyExprMutator):
         except Refused as r:
             self.chooser.layers.append(LayerChoice(name, "tvm", reason=str(r)))
             return None
+        if ep.tail is not None:
+            out_shape = ep.conv_shape
         chosen = self.chooser.choose(name, ep, out_shape)
         if chosen is None:
             return None
@@ -468,4 +493,10 @@ class _Rewriter(relax.PyExprMutator):
             roles["scale"], roles["shift"] = (relax.op.reshape(self.visit_expr(e), [c]) for e in ep.pre)
         if ep.residual is not None:
             roles["residual"] = self.visit_expr(ep.residual)
-        return abi.make(library_call, attrs=attrs, **roles).expr(relax.TensorType(list(out_shape), "float32"))
+        y = abi.make(library_call, attrs=attrs, **roles).expr(relax.TensorType(list(out_shape), "float32"))
+        if ep.tail is None:
+            return y
+        op, operand, conv_first = ep.tail
+        operand = self.visit_expr(operand)
+        lhs, rhs = (y, operand) if conv_first else (operand, y)
+        return {"relax.multiply": relax.op.multiply, "relax.add": relax.op.add}[op](lhs, rhs)
