@@ -97,23 +97,29 @@ def _has_openvino() -> bool:
 
 
 def _stamp(model: Path) -> str:
+    """The model file's digest and the package's (its sources), as the artifact's name for them."""
     import tvm_layerfuse
 
-    h = hashlib.sha256(model.read_bytes())
-    for f in sorted(Path(tvm_layerfuse.__file__).parent.rglob("*.py")) + sorted(Path(tvm_layerfuse.__file__).parent.rglob("*.cc")):
+    package = Path(tvm_layerfuse.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(package.rglob("*.py")) + sorted(package.rglob("*.cc")):
         h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return f"model {hashlib.sha256(model.read_bytes()).hexdigest()[:12]} package {h.hexdigest()[:12]}"
 
 
-def compile_pair(model: Path, work: Path, *, fusion_off: bool) -> dict[str, Path]:
-    """The artifacts (fused, and unfused with ``fusion_off``), compiled once per model and package."""
+def compile_pair(model: Path, work: Path, *, fusion_off: bool, reuse: bool) -> dict[str, Path]:
+    """The artifacts (fused, and unfused with ``fusion_off``), compiled once per model and
+    package; ``reuse``: those already under ``work`` for this model file, whatever package made them."""
     stamp = _stamp(model)
     out = {}
     for engine, extra in (("layerfuse", []), ("fusion-off", ["--no-fuse"])):
         if engine == "fusion-off" and not fusion_off:
             continue
         art = work / f"{model.stem}.{engine}"
-        if not (art / "stamp").is_file() or (art / "stamp").read_text() != stamp:
+        made = (art / "stamp").read_text() if (art / "stamp").is_file() else ""
+        if reuse and made.split(" package")[0] == stamp.split(" package")[0]:
+            print(f"{art}: reused ({made})")
+        elif made != stamp:
             cmd = [sys.executable, "-m", "tvm_layerfuse", "compile", str(model), "-o", str(art), "--force", *extra]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             (art / "stamp").write_text(stamp)
@@ -154,13 +160,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--work", type=Path, default=Path("bench_work"))
     ap.add_argument("--no-fusion-off", action="store_true", help="skip the unfused artifact (its column stays empty)")
+    ap.add_argument("--compile-only", action="store_true", help="compile the artifacts and stop (no timing)")
+    ap.add_argument("--reuse", action="store_true", help="time the artifacts already under --work for these model files")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     engines = [e for e in ENGINES if (e != "openvino" or _has_openvino()) and (e != "fusion-off" or not args.no_fusion_off)]
     arts, errs = {}, {}
     for model in args.models:
-        arts[model] = compile_pair(model, args.work, fusion_off=not args.no_fusion_off)
+        arts[model] = compile_pair(model, args.work, fusion_off=not args.no_fusion_off, reuse=args.reuse)
         errs[model] = max_rel_err(model, arts[model]["layerfuse"])
+    if args.compile_only:
+        return
     print(f"load average before timing: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
     cmd = "python scripts/bench_models.py " + " ".join(sys.argv[1:])
     for threads in args.threads:
