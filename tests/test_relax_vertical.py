@@ -355,6 +355,22 @@ def test_sub_div_and_a_depthwise_conv_with_relu6_match_onnxruntime():
     assert kernels.names == ("layerfuse_conv2d_bias_clip",)
 
 
+def test_a_batchnorm_that_is_the_graph_output_folds_once(monkeypatch):
+    """The output is an alias of the BatchNorm's result (``gv = lv2``): the fold rewrites the
+    BatchNorm once, not once more through the alias ("batchnorm_folded planned 1, done 2";
+    fuzz.py with the exporter blocks, seed 5)."""
+    from tvm_layerfuse.relax.pipeline import STRICT_PLAN_ENV
+
+    monkeypatch.setenv(STRICT_PLAN_ENV, "1")
+    net = Net(seed=42)
+    x = net.input("x", (1, 4, 8, 8))
+    y = net.bn(net.conv(x, 4, bias=False))
+    result, kernels, _ = compile_and_compare(net.build([y]))
+    assert [f["op"] for f in result.report["folded"]] == ["BatchNormalization"]
+    assert result.report["plan_check"]["batchnorm_folded"] == {"plan": 1, "relax": 1}
+    assert kernels.names == ("layerfuse_conv2d_bias",)
+
+
 def test_a_refused_fold_still_computes_the_same_numbers():
     """The conv output feeds both the BatchNormalization and a graph output: no fold."""
     net = Net(seed=40)

@@ -228,7 +228,9 @@ class _BindingRewriter(relax.PyExprMutator):
         self.changed = False
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        matched = self.pattern.extract_matched_expr(binding.value, self.var2val)
+        # an alias (``gv = lv``) matches through the binding it names, which is rewritten itself
+        alias = isinstance(binding.value, relax.Var)
+        matched = None if alias else self.pattern.extract_matched_expr(binding.value, self.var2val)
         if matched is not None:
             new = self.rewriter(binding.value, matched)
             if not new.same_as(binding.value):
