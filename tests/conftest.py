@@ -1,6 +1,14 @@
+import os
 import signal
 import sys
 from pathlib import Path
+
+# Thread pools that sleep when idle: with `-n 2` two test processes share the machine's cores, and
+# OpenMP's (oneDNN's) and TVM's pools spinning between calls would take them from each other.
+# Set before any test imports TVM or loads oneDNN; subprocesses inherit it. Speed is measured
+# in benchmarks, not here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
 # Tests import their helpers (graphs.py) as top-level modules.
 sys.path.insert(0, str(Path(__file__).parent))
