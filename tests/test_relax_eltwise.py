@@ -283,6 +283,28 @@ def test_activations_fuse_into_the_conv_kernel(activation):
     assert kernels.names == (f"layerfuse_conv2d_bias_{activation}",)
 
 
+@pytest.mark.parametrize("opset", [10, 13])
+def test_clip_then_add_of_a_bias_less_conv_is_one_kernel(opset, monkeypatch):
+    """x + Clip(conv(x)) with a bias-less depthwise conv: the plan merges the Add after the
+    Clip; Clip-6's attribute bounds once stayed TVM kernels no pattern could see ("eltwise_merged
+    planned 1, done 0"; fuzz.py seeds 207, 514, 690, ...)."""
+    from tvm_layerfuse.relax.pipeline import STRICT_PLAN_ENV
+
+    monkeypatch.setenv(STRICT_PLAN_ENV, "1")
+    net = Net(opset=opset, seed=75)
+    x = net.input("x", (2, 4, 10, 9))
+    y = net.conv(x, 4, group=4, bias=False)
+    if opset < 11:
+        y = net.node("Clip", [y], min=-1.0, max=1.0)
+    else:
+        y = net.node("Clip", [y, net.const(np.float32(-1.0)), net.const(np.float32(1.0))])
+    y = net.node("Add", [x, y])
+    result, kernels, _ = compile_and_compare(net.build([y]))
+    assert kernels.names == ("layerfuse_conv2d_clip_post_add",)
+    assert result.report["plan_check"]["eltwise_merged"] == {"plan": 1, "relax": 1}
+    assert result.report["group_refused"] == []
+
+
 def test_fused_kernels_are_fewer_than_tvms_own_on_a_residual_block():
     net = Net(seed=80)
     x = net.input("x", (1, 8, 16, 16))

@@ -270,6 +270,40 @@ def test_import_turns_clip_kernels_back_into_relax_ops():
     assert "R.maximum" in text and "R.minimum" in text and "call_tir" not in text
 
 
+@pytest.mark.parametrize("bounds", [{"min": -1.0, "max": 1.0}, {"min": 0.0}])
+def test_import_turns_attribute_clip_kernels_back_into_relax_ops(bounds):
+    """Clip-6 holds its bounds as attributes; TVM imports it as kernels with the bound inside
+    (an absent bound as +-inf). They become R.maximum / R.minimum of a scalar constant."""
+    net = Net(opset=10, seed=4)
+    x = net.input("x", (1, 4, 8, 8))
+    c = net.node("Clip", [x], **bounds)
+    mod, _, _ = import_onnx(net.build([c]))
+    text = mod.script()
+    assert "call_tir" not in text
+    assert 'R.maximum(x, R.const(%s, "float32"))' % bounds["min"] in text
+    assert "R.minimum" in text and ('R.const("inf"' in text) == ("max" not in bounds)
+
+
+def test_two_convs_of_one_input_and_weight_stay_two_layers(monkeypatch):
+    """Two identical convs (one input, one weight), one clipped, one into a BatchNorm: the
+    plan folds the BatchNorm into the second, which needs the import to keep them apart (the
+    Clip rewrite once merged them into one conv with two readers: "batchnorm_folded planned
+    1, done 0"; fuzz.py seeds 686, 1669)."""
+    from tvm_layerfuse.relax.pipeline import STRICT_PLAN_ENV
+
+    monkeypatch.setenv(STRICT_PLAN_ENV, "1")
+    net = Net(seed=6)
+    x = net.input("x", (1, 4, 8, 8))
+    w = net.const((net.rng.standard_normal((8, 4, 3, 3)) * 0.3).astype(np.float32), "shared_w")
+    attrs = dict(shape=(1, 8, 8, 8), kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    a = net.node("Conv", [x, w], name="convA", **attrs)
+    b = net.node("Conv", [x, w], name="convB", **attrs)
+    clipped = net.node("Clip", [a, net.const(np.float32(-1.0)), net.const(np.float32(1.0))])
+    result, _, _ = compile_and_compare(net.build([clipped, net.bn(b)]))
+    assert [f["op"] for f in result.report["folded"]] == ["BatchNormalization"]
+    assert result.report["plan_check"]["batchnorm_folded"] == {"plan": 1, "relax": 1}
+
+
 def test_import_names_the_op_tvm_cannot_convert():
     net = Net(opset=13, seed=5)
     x = net.input("x", (1, 4, 8, 8))
@@ -319,6 +353,22 @@ def test_sub_div_and_a_depthwise_conv_with_relu6_match_onnxruntime():
     result, kernels, _ = compile_and_compare(net.build([y]))
     assert [f["op"] for f in result.report["folded"]] == ["Sub", "Div"]
     assert kernels.names == ("layerfuse_conv2d_bias_clip",)
+
+
+def test_a_batchnorm_that_is_the_graph_output_folds_once(monkeypatch):
+    """The output is an alias of the BatchNorm's result (``gv = lv2``): the fold rewrites the
+    BatchNorm once, not once more through the alias ("batchnorm_folded planned 1, done 2";
+    fuzz.py with the exporter blocks, seed 5)."""
+    from tvm_layerfuse.relax.pipeline import STRICT_PLAN_ENV
+
+    monkeypatch.setenv(STRICT_PLAN_ENV, "1")
+    net = Net(seed=42)
+    x = net.input("x", (1, 4, 8, 8))
+    y = net.bn(net.conv(x, 4, bias=False))
+    result, kernels, _ = compile_and_compare(net.build([y]))
+    assert [f["op"] for f in result.report["folded"]] == ["BatchNormalization"]
+    assert result.report["plan_check"]["batchnorm_folded"] == {"plan": 1, "relax": 1}
+    assert kernels.names == ("layerfuse_conv2d_bias",)
 
 
 def test_a_refused_fold_still_computes_the_same_numbers():

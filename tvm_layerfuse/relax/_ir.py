@@ -205,6 +205,59 @@ class SubstituteVars(relax.PyExprMutator):
         return self.mapping.get(var, var)
 
 
+def rewrite_bindings(pattern, rewriter, func: relax.Function) -> relax.Function:
+    """``tvm.relax.dpl.rewrite_call`` for patterns whose root is a binding's value, without its
+    common-subexpression elimination: one pass in binding order, ``rewriter(value, matches)``
+    for each value that ``pattern`` matches (looking through ``func``'s bindings); unused
+    bindings are removed after a change.
+
+    ``rewrite_call`` also merges every pair of identical bindings once anything changed: two
+    convs of one input with one weight become one conv read twice. The topology graph, and
+    so the plan, keep them apart (the plan may fold a BatchNorm into one of them, which
+    needs a single reader), so a pass that carries out the plan must not merge them."""
+    rewritten = _BindingRewriter(pattern, rewriter, relax.analysis.get_var2val(func))
+    out = rewritten.visit_expr(func)
+    return relax.analysis.remove_all_unused(out) if rewritten.changed else func
+
+
+@relax.expr_functor.mutator
+class _BindingRewriter(relax.PyExprMutator):
+    def __init__(self, pattern, rewriter, var2val) -> None:
+        super().__init__()
+        self.pattern, self.rewriter, self.var2val = pattern, rewriter, var2val
+        self.changed = False
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        # an alias (``gv = lv``) matches through the binding it names, which is rewritten itself
+        alias = isinstance(binding.value, relax.Var)
+        matched = None if alias else self.pattern.extract_matched_expr(binding.value, self.var2val)
+        if matched is not None:
+            new = self.rewriter(binding.value, matched)
+            if not new.same_as(binding.value):
+                self.changed = True
+                binding = relax.VarBinding(binding.var, self._emit_nested(new, {}, top=True))
+        super().visit_var_binding_(binding)
+
+    def _emit_nested(self, expr: relax.Expr, memo: dict, *, top: bool = False) -> relax.Expr:
+        """``expr`` with each nested call bound to a variable, one binding per distinct object
+        (a rewrite that uses one sub-expression twice, as a BatchNorm fold uses its scale in
+        the weight and the bias, computes it once)."""
+        if expr in memo:
+            return memo[expr]
+        if isinstance(expr, relax.Call):
+            new = relax.Call(expr.op, [self._emit_nested(a, memo) for a in expr.args], expr.attrs, expr.ty_args)
+        elif isinstance(expr, relax.Tuple):
+            return relax.Tuple([self._emit_nested(f, memo) for f in expr.fields])
+        elif isinstance(expr, relax.TupleGetItem):
+            new = relax.TupleGetItem(self._emit_nested(expr.tuple_value, memo), expr.index)
+        else:  # a variable (remapped when visited), a constant, a shape ...
+            return expr
+        if top:
+            return new
+        memo[expr] = self.builder_.emit(self.visit_expr(new))
+        return memo[expr]
+
+
 def static_shape(expr: relax.Expr) -> Optional[tuple[int, ...]]:
     """The shape of a tensor expression when every dimension is a known integer."""
     ty = getattr(expr, "ty", None)

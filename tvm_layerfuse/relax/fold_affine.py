@@ -44,9 +44,19 @@ from typing import Any, Optional
 
 import tvm
 from tvm import relax
-from tvm.relax.dpl import is_op, is_tuple_get_item, rewrite_call, wildcard
+from tvm.relax.dpl import is_op, is_tuple_get_item, wildcard
 
-from ._ir import FunctionFacts, conv2d_layout_reason, dtype_of, is_primitive, numel, relax_functions, static_shape, with_functions
+from ._ir import (
+    FunctionFacts,
+    conv2d_layout_reason,
+    dtype_of,
+    is_primitive,
+    numel,
+    relax_functions,
+    rewrite_bindings,
+    static_shape,
+    with_functions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +155,7 @@ class _FoldOneFunction:
             self.facts = FunctionFacts.of(func)
             self.changed = False
             self.round_refusals = {}
-            func = rewrite_call(self.p.root, self._rewrite, func)
+            func = rewrite_bindings(self.p.root, self._rewrite, func)
             if not self.changed:
                 break
             func = relax.analysis.remove_all_unused(func)

@@ -43,10 +43,10 @@ from typing import Any, Mapping, Optional
 
 import tvm
 from tvm import relax
-from tvm.relax.dpl import DFPattern, is_op, rewrite_call, wildcard
+from tvm.relax.dpl import DFPattern, is_op, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
-from ._ir import FunctionFacts, is_primitive, op_name, relax_functions, static_shape
+from ._ir import FunctionFacts, is_primitive, op_name, relax_functions, rewrite_bindings, static_shape
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ def epilogue_patterns(*, check=None) -> list[FusionPattern]:
     for bias in (True, False):
         for residual in (None, *RESIDUALS):
             for activation in (None, *ACTIVATIONS):
-                if not bias and residual is None and activation is None:
-                    continue  # a bare conv2d: nothing to fuse
+                if not _is_template(bias, residual, activation):
+                    continue
                 name = template_name(bias=bias, residual=residual, activation=activation)
                 size = int(bias) + int(residual is not None) + int(activation is not None)
                 for k, (pattern, notes) in enumerate(_chain_patterns(bias, residual, activation)):
@@ -201,12 +201,21 @@ def _chain_patterns(bias: bool, residual: Optional[str], activation: Optional[st
             yield pattern, {**notes, **extra}
 
 
+def _is_template(bias: bool, residual: Optional[str], activation: Optional[str]) -> bool:
+    """Whether the parts make a group: not a bare conv2d (nothing to fuse), and no
+    ``post_add`` without an activation (an add after no activation is the ``add`` template;
+    the plan says ``post_add`` only after an activation)."""
+    if not bias and residual is None and activation is None:
+        return False
+    return not (residual == "post_add" and activation is None)
+
+
 _TEMPLATES = {
     template_name(bias=b, residual=r, activation=a): (b, r, a)
     for b in (True, False)
     for r in (None, *RESIDUALS)
     for a in (None, *ACTIVATIONS)
-    if b or r is not None or a is not None
+    if _is_template(b, r, a)
 }
 
 
@@ -564,4 +573,4 @@ def _order_residual_operands(func: relax.Function, plan_spec: Optional[Mapping[s
             swap = position.get(second, -1) > position.get(first, -1)
         return relax.Call(orig.op, [second, first], orig.attrs) if swap else orig
 
-    return rewrite_call(pattern, rewrite, func)
+    return rewrite_bindings(pattern, rewrite, func)

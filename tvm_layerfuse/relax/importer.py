@@ -8,6 +8,7 @@ Steps::
     canonicalize (ONNX)       Sum(a, b, ...) -> Add(Add(a, b), ...)
     from_onnx(keep_params_in_input=True)
     canonicalize (Relax)      call_tir(topi.maximum/minimum) -> R.maximum/R.minimum
+                              (tensor or scalar bound)
     detach_params             weights leave the module; their values come back as a dict
 
 After this every weight is a parameter of ``main`` named after its ONNX tensor (input 1
@@ -19,11 +20,13 @@ Why the two canonicalisations (both compute exactly the same function):
 
 * TVM imports ONNX ``Sum`` as ``broadcast_to`` + ``stack`` + a ``sum`` reduction, a kernel
   no elementwise fusion can join; a chain of ``Add`` is what every ResNet residual means.
-* TVM imports ``Clip`` (opset >= 11) as two already-lowered ``call_tir`` kernels
-  (``topi.maximum`` / ``topi.minimum`` against the NaN-sanitised bounds). They are turned
-  back into ``R.maximum`` / ``R.minimum`` (which legalise to the same ``topi`` functions),
-  so that patterns can see a clip; the PrimFunc is compared structurally with the
-  ``topi`` one before it is replaced.
+* TVM imports ``Clip`` as two already-lowered ``call_tir`` kernels: ``topi.maximum`` /
+  ``topi.minimum`` against the NaN-sanitised bound tensors (opset >= 11), or against the
+  ``min``/``max`` attributes as scalars inside the kernel (opset < 11, bounds -inf/+inf when
+  absent). They are turned back into ``R.maximum`` / ``R.minimum`` (which legalise to the
+  same ``topi`` functions; a scalar bound becomes a scalar ``R.const``), so that patterns
+  can see a clip; the PrimFunc is compared structurally with the ``topi`` one before it is
+  replaced.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ..errors import LayerfuseError, first_line
 from ..topology.graph import TopologyGraph
 from ..topology.materialize import materialize_constants
 from ..topology.onnx_reader import ModelSource, load_model, read_onnx
-from ._ir import with_functions
+from ._ir import rewrite_bindings, with_functions
 
 log = logging.getLogger(__name__)
 
@@ -320,8 +323,10 @@ def _resize_empty_scales(model: onnx.ModelProto) -> onnx.ModelProto:
 # ---------------------------------------------------------------------- Relax rewrites
 def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
     """Replace ``call_tir`` of a PrimFunc that *is* ``topi.maximum``/``topi.minimum`` (checked
-    structurally for the call's shapes) by ``R.maximum``/``R.minimum``."""
-    from tvm.relax.dpl import GlobalVarPattern, is_op, rewrite_call, wildcard
+    structurally for the call's shapes) by ``R.maximum``/``R.minimum``: ``topi.maximum(A, B)``
+    of two tensors, or ``topi.maximum(A, c)`` of one tensor and a scalar ``c`` held in the
+    kernel (Clip-1/6's attributes), which becomes ``R.maximum(a, R.const(c))``."""
+    from tvm.relax.dpl import GlobalVarPattern, is_op, wildcard
 
     pattern = is_op("relax.call_tir")(GlobalVarPattern(), wildcard())
     replaced = []
@@ -333,20 +338,24 @@ def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
             return orig
         gv, args = orig.args[0], orig.args[1]
         func = mod[gv] if gv in mod.get_global_vars() else None
-        if not isinstance(func, tvm.tirx.PrimFunc) or not isinstance(args, relax.Tuple) or len(args.fields) != 2:
+        if not isinstance(func, tvm.tirx.PrimFunc) or not isinstance(args, relax.Tuple):
             return orig
-        a, b = args.fields
         for name, op in (("maximum", relax.op.maximum), ("minimum", relax.op.minimum)):
-            if _is_topi_binary(func, name, a, b):
+            if len(args.fields) == 2 and _is_topi_binary(func, name, *args.fields):
                 replaced.append(gv.name_hint)
-                return op(a, b)
+                return op(*args.fields)
+            if len(args.fields) == 1:
+                scalar = _topi_scalar_operand(func, name, args.fields[0])
+                if scalar is not None:
+                    replaced.append(gv.name_hint)
+                    return op(args.fields[0], scalar)
         return orig
 
     updates = {}
     for gv, func in mod.functions.items():
         if isinstance(func, relax.Function):
             before = len(replaced)
-            new = rewrite_call(pattern, rewrite, func)
+            new = rewrite_bindings(pattern, rewrite, func)
             if len(replaced) > before:
                 updates[gv] = new
     if not updates:
@@ -357,18 +366,48 @@ def te_min_max_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def _is_topi_binary(func: tvm.tirx.PrimFunc, name: str, a: relax.Expr, b: relax.Expr) -> bool:
-    import tvm_ffi
-    from tvm import te, tirx, topi
+    from tvm import te, topi
 
-    shapes = []
-    for e in (a, b):
-        ty = getattr(e, "ty", None)
-        shape = getattr(ty, "shape", None)
-        if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(d, tirx.IntImm) for d in shape.values):
-            return False
-        shapes.append([tirx.IntImm("int64", int(d.value)) for d in shape.values])
+    shapes = [_static_shape(e) for e in (a, b)]
+    if any(s is None for s in shapes):
+        return False
     A = te.placeholder(shapes[0], str(a.ty.dtype), name="A")
     B = te.placeholder(shapes[1], str(b.ty.dtype), name="B")
-    ref = te.create_prim_func([A, B, getattr(topi, name)(A, B)])
+    return _same_prim_func(func, te.create_prim_func([A, B, getattr(topi, name)(A, B)]))
+
+
+def _topi_scalar_operand(func: tvm.tirx.PrimFunc, name: str, a: relax.Expr) -> Optional[relax.Constant]:
+    """The scalar ``c`` when ``func`` is ``topi.<name>(A, c)`` for ``a``'s shape and dtype (a
+    one-statement kernel ``out[i] = max(A[i], c)``), as a scalar Relax constant; else None."""
+    from tvm import s_tir, te, tirx, topi
+
+    shape = _static_shape(a)
+    if shape is None:
+        return None
+    stmt = func.body  # root block -> loops -> the one block -> its store
+    while isinstance(stmt, (s_tir.SBlockRealize, s_tir.SBlock, tirx.For)):
+        stmt = stmt.block if isinstance(stmt, s_tir.SBlockRealize) else stmt.body
+    value = getattr(stmt, "value", None) if isinstance(stmt, tirx.BufferStore) else None
+    c = getattr(value, "b", None)
+    if not isinstance(c, (tirx.FloatImm, tirx.IntImm)) or str(c.ty) != str(a.ty.dtype):
+        return None
+    A = te.placeholder(shape, str(a.ty.dtype), name="A")
+    if not _same_prim_func(func, te.create_prim_func([A, getattr(topi, name)(A, tirx.const(c.value, str(c.ty)))])):
+        return None
+    return relax.const(c.value, str(c.ty))
+
+
+def _static_shape(e: relax.Expr) -> Optional[list]:
+    from tvm import tirx
+
+    shape = getattr(getattr(e, "ty", None), "shape", None)
+    if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(d, tirx.IntImm) for d in shape.values):
+        return None
+    return [tirx.IntImm("int64", int(d.value)) for d in shape.values]
+
+
+def _same_prim_func(func: tvm.tirx.PrimFunc, ref: tvm.tirx.PrimFunc) -> bool:
+    import tvm_ffi
+
     strip = lambda f: f.without_attr("global_symbol") if f.attrs is not None and "global_symbol" in f.attrs else f
     return bool(tvm_ffi.structural_equal(strip(func), strip(ref), map_free_vars=True))

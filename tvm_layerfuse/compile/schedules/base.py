@@ -290,8 +290,14 @@ def _epilogue_per_tile(sch: s_tir.Schedule, block, loop, params: CPUParams) -> l
             except Exception:  # noqa: BLE001 - TVM's ScheduleError: this one stays
                 continue
     moved = []
+    produced = _written_elements(sch, block)
     for b in _downstream(sch, block):
         if sch.get_consumers(b):
+            continue
+        if _written_elements(sch, b) > produced:
+            # a consumer larger than the tile's producer (a padding after a pool): computed per
+            # tile it would only cover what the tiles produce, and its border would never be written
+            log.debug("epilogue block %s stays at the root: it writes more than %s", sch.get(b).name_hint, sch.get(block).name_hint)
             continue
         try:
             sch.reverse_compute_at(b, loop, preserve_unit_loops=False)
@@ -299,6 +305,16 @@ def _epilogue_per_tile(sch: s_tir.Schedule, block, loop, params: CPUParams) -> l
         except Exception as e:  # noqa: BLE001 - it stays at the root, full-size
             log.debug("epilogue block %s stays at the root: %s", sch.get(b).name_hint, e)
     return moved
+
+
+def _written_elements(sch: s_tir.Schedule, block) -> int:
+    """Elements the block computes: the product of its data-parallel iteration extents (the
+    output elements of a reduction; a padding's whole padded output)."""
+    n = 1
+    for iv, kind in zip(sch.get(block).iter_vars, iter_kinds(sch, block)):
+        if kind == "S":
+            n *= int(iv.dom.extent)
+    return n
 
 
 def _downstream(sch: s_tir.Schedule, block) -> list:
