@@ -113,3 +113,16 @@ def test_squeeze_excitation_gate_conv_is_taken_and_the_multiply_stays_after_it(g
     (gate,) = [c for c in layers if c.layer.endswith("_gate") or "_gate_" in c.layer]
     assert gate.tactic == "onednn", gate
     assert all(c.tactic == "onednn" for c in layers if not c.layer.startswith(("pool:", "dense:", "concat:"))), layers
+
+
+def test_a_residual_computed_from_the_conv_itself_stays_with_tvm():
+    """``Sum(conv, x, conv)`` = ``conv + (conv + x)``: the element-wise group's residual reads the
+    conv's own result, so it is no input of the layer; the layer stays with TVM (it used to be
+    handed to the library with a variable of the group's body: an internal error)."""
+    n = Net(seed=41)
+    x = n.input("x", (1, 7, 12, 12))
+    y = n.conv(n.relu(x), 7, name="c")
+    err, layers = _run(n.build([n.node("Sum", [y, x, y], shape=(1, 7, 12, 12))]))
+    assert err <= RTOL, err
+    (layer,) = [c for c in layers if c.layer.startswith("layerfuse_conv2d")]
+    assert layer.tactic == "tvm" and "computed inside the group" in layer.reason, layer

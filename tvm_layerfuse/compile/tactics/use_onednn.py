@@ -354,6 +354,8 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
         r_value = var2val.get(r, r) if isinstance(r, relax.Var) else r
         if any(c is not None and r_value.same_as(c) for c in chain):
             raise Refused(f"the group's {RESIDUALS[residual_kind].split('.')[-1]} reads the conv's result twice")
+        if r not in arg_of and not isinstance(r, tvm.ir.expr.Constant):  # e.g. Sum(conv, x, conv): conv + (conv + x)
+            raise Refused(f"the group's {RESIDUALS[residual_kind].split('.')[-1]} operand is computed inside the group")
         if residual_kind == "gate":
             # after the activation: the conv and its activation on oneDNN, the multiply on TVM's kernel
             op = notes["residual_op"]
