@@ -412,7 +412,7 @@ def plan_to_specs(plan: FusionPlan, param_names: set[str]) -> tuple[set[str], di
     return fold, spec
 
 
-# Set (to anything but "" or "0") to make a plan/Relax mismatch an error (the test suite does).
+# Set (to anything but "" or "0") to make a plan/Relax mismatch an error (tests/conftest.py sets it).
 STRICT_PLAN_ENV = "TVM_LAYERFUSE_STRICT_PLAN"
 
 
