@@ -112,10 +112,9 @@ class _Epilogue:
     alpha: float = 0.0
     beta: float = 0.0
     pre: Optional[tuple] = None  # (s, t): the conv reads relu(data * s + t), s and t per channel
-    # (op, operand, conv's first): an op after the activation that oneDNN has no post-op for (a
-    # gate's multiply); the layer's output is op(the conv's, operand), by TVM
-    tail: Optional[tuple] = None
-    conv_shape: Optional[tuple] = None  # the conv's output shape (a gate broadcasts beyond it)
+    # (g, conv's first): a squeeze-and-excitation gate after the activation, which oneDNN has no
+    # post-op for; the layer's output is the conv's times g, by TVM
+    gate: Optional[tuple] = None
 
 
 class Refused(Exception):
@@ -358,10 +357,8 @@ def parse_group(func: relax.Function, args, chooser: UseOneDNNConv) -> _Epilogue
             raise Refused(f"the group's {RESIDUALS[residual_kind].split('.')[-1]} operand is computed inside the group")
         if residual_kind == "gate":
             # after the activation: the conv and its activation on oneDNN, the multiply on TVM's kernel
-            op = notes["residual_op"]
-            _, second = op.args
-            ep.tail = (op_name(op), outer(r), _reads(second, r, var2val))
-            ep.conv_shape = static_shape(conv)  # bias and activation keep it
+            _, second = notes["residual_op"].args
+            ep.gate = (outer(r), _reads(second, r, var2val))
         elif residual_kind != "add":
             raise Refused(f"oneDNN has no post-op for the {residual_kind} epilogue here")
         else:
@@ -478,8 +475,8 @@ class _Rewriter(relax.PyExprMutator):
         except Refused as r:
             self.chooser.layers.append(LayerChoice(name, "tvm", reason=str(r)))
             return None
-        if ep.tail is not None:
-            out_shape = ep.conv_shape
+        if ep.gate is not None:
+            out_shape = static_shape(ep.conv)  # the library's output: the gate broadcasts beyond it
         chosen = self.chooser.choose(name, ep, out_shape)
         if chosen is None:
             return None
@@ -496,9 +493,8 @@ class _Rewriter(relax.PyExprMutator):
         if ep.residual is not None:
             roles["residual"] = self.visit_expr(ep.residual)
         y = abi.make(library_call, attrs=attrs, **roles).expr(relax.TensorType(list(out_shape), "float32"))
-        if ep.tail is None:
+        if ep.gate is None:
             return y
-        op, operand, conv_first = ep.tail
-        operand = self.visit_expr(operand)
-        lhs, rhs = (y, operand) if conv_first else (operand, y)
-        return {"relax.multiply": relax.op.multiply, "relax.add": relax.op.add}[op](lhs, rhs)
+        g, conv_first = ep.gate
+        g = self.visit_expr(g)
+        return relax.op.multiply(y, g) if conv_first else relax.op.multiply(g, y)
