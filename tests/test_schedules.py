@@ -36,7 +36,20 @@ CONVS = [
     ("depthwise_stride2_odd", (13, 13, 13), 13, 3, 2, 1, 13),
     ("grouped", (12, 9, 9), 18, 3, 1, 1, 3),
     ("one_column", (16, 3, 3), 20, 3, 1, 0, 1),  # a 1x1 output: vectorised over channels
+    # channels in whole blocks of 16 (and so of 8 and 4): NCHW[x]c on every target
+    ("blocked_pointwise", (32, 14, 14), 48, 1, 1, 0, 1),
+    ("blocked_k3_nopad", (16, 10, 10), 32, 3, 1, 0, 1),
+    ("blocked_k3_pad_prime_width", (16, 19, 19), 16, 3, 1, 1, 1),  # 19 columns: no divisor fits a tile
+    ("blocked_k5_pad", (16, 9, 9), 16, 5, 1, 2, 1),
+    ("blocked_k7_stride2", (16, 23, 23), 32, 7, 2, 3, 1),
 ]
+BLOCKED_RULE = "conv2d NCHWc"
+
+
+def _blocked(lanes: int) -> list[str]:
+    """The convs of CONVS in the blocked layout for a target of ``lanes`` fp32 lanes: plain
+    convs whose input and output channels fill whole blocks."""
+    return [n for n, (c, _, _), cout, _, _, _, g in CONVS if g == 1 and c % lanes == 0 and cout % lanes == 0]
 
 
 def _conv_zoo() -> onnx.ModelProto:
@@ -97,9 +110,15 @@ def test_scheduled_convs_agree_with_onnxruntime(conv_zoo, x86_artifact):
     # a plausible schedule bug (a tile's tail dropped) would leave zeros: the outputs are alive
     assert all(float(np.abs(r).max()) > 0 for r in refs)
 
-    kernels = _conv_kernels(read_manifest(x86_artifact))
+    manifest = read_manifest(x86_artifact)
+    kernels = _conv_kernels(manifest)
     assert len(kernels) == len(CONVS)
-    assert {v["rule"] for v in kernels.values()} == {"conv2d"}, kernels  # not a fallback rule
+    rules = [v["rule"] for v in kernels.values()]
+    assert set(rules) == {"conv2d", BLOCKED_RULE}, kernels  # not a fallback rule
+    lanes = manifest["schedules"]["lanes"]
+    assert rules.count(BLOCKED_RULE) == len(_blocked(lanes)), kernels
+    tactics = manifest["tactics"]
+    assert (tactics["tvm_layout"], tactics["blocked_convs"]) == (f"NCHW{lanes}c", len(_blocked(lanes))), tactics
 
 
 def test_artifact_has_no_unscheduled_kernel(x86_artifact):
@@ -131,12 +150,25 @@ def _objdump(tool: str, library: Path) -> str:
     return subprocess.run([tool, "-d", "-T", str(library)], capture_output=True, text=True, check=True).stdout
 
 
+def _function(text: str, name: str) -> str:
+    """The disassembly of the kernel ``name`` and the parallel bodies TVM outlines from it
+    (``name_compute_``): everything up to the next function not of its family."""
+    parts = re.split(r"\n(?=[0-9a-f]+ <)", text)
+    body = [p for p in parts if re.match(rf"[0-9a-f]+ <{re.escape(name)}(_compute_\w*)?>:", p)]
+    assert body, f"no function {name} in the library"
+    return "\n".join(body)
+
+
 def test_x86_conv_kernel_is_parallel_and_vectorised(x86_artifact):
     kernels = _conv_kernels(read_manifest(x86_artifact))
     assert any(v["parallel"] and v["vectorized"] for v in kernels.values()), kernels
+    blocked = [k for k, v in kernels.items() if v["rule"] == BLOCKED_RULE]
+    assert blocked and all(kernels[k]["parallel"] and kernels[k]["vectorized"] for k in blocked), kernels
     text = _objdump("objdump", x86_artifact / "model.so")
     assert "__TVMBackendParallelLaunch" in text
     assert re.search(r"vfmadd\d+ps\s+%[yz]mm", text), "no vector FMA on ymm/zmm registers"
+    for name in blocked:
+        assert re.search(r"vfmadd\d+ps\s+\S*%[yz]mm", _function(text, name)), f"{name}: no vector FMA"
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +183,23 @@ def test_aarch64_conv_kernel_is_parallel_and_vectorised(aarch64_artifact):
     schedules = read_manifest(aarch64_artifact)["schedules"]
     assert schedules["isa"] == "neon" and schedules["lanes"] == 4
     assert schedules["unscheduled"] == []
-    assert {v["rule"] for v in _conv_kernels(read_manifest(aarch64_artifact)).values()} == {"conv2d"}
+    kernels = _conv_kernels(read_manifest(aarch64_artifact))
+    rules = [v["rule"] for v in kernels.values()]
+    assert set(rules) == {"conv2d", BLOCKED_RULE}, kernels
+    assert rules.count(BLOCKED_RULE) == len(_blocked(4)), kernels
+    blocked = [v for v in kernels.values() if v["rule"] == BLOCKED_RULE]
+    assert all(v["vectorized"] for v in blocked), kernels
+    # all parallel but one_column's (a 1x1 output: too little work for a parallel launch)
+    assert sum(v["parallel"] for v in blocked) == len(blocked) - 1, kernels
     text = _objdump("aarch64-linux-gnu-objdump", aarch64_artifact / "model.so")
     assert "__TVMBackendParallelLaunch" in text
     fmla = len(re.findall(r"\tfmla\s+v\d+\.4s", text))
     assert fmla >= 20, f"{fmla} vector FMAs (fmla v.4s) in the library"
+    # the blocked conv kernels themselves: vector FMAs with a broadcast lane or vector operand
+    blocked = [k for k, v in kernels.items() if v["rule"] == BLOCKED_RULE]
+    for name in blocked:
+        body = _function(text, name)
+        assert re.search(r"\tfmla\s+v\d+\.4s", body), f"{name}: no fmla v.4s"
 
 
 def test_aarch64_schedules_agree_with_onnxruntime_on_the_emulated_board(conv_zoo, aarch64_artifact):

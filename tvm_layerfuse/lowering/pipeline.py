@@ -4,6 +4,7 @@
 
     layerfuse_pipeline(target)       == TVM's get_default_pipeline(target), plus two passes:
       library dispatch                 (DispatchSampling, DispatchSortScan)
+      [LegalizeBlockedConv]            CPU: NCHW[x]c convs -> topi.nn.conv2d_NCHWc (blocked_conv.py)
       LegalizeOps ... FuseOps, FuseTIR
       -> InlinePrologue                BatchNorm+Relu prologues computed inside the conv (inline_prologue.py)
       -> SplitOutputBuffers            producers write their split pieces (split_outputs.py)
@@ -212,6 +213,10 @@ class LayerfusePipeline:
 
     def passes(self) -> list:
         dispatch, legalize, lower, finalize = _stages(self.target)
+        if self.target.kind.name == "llvm":  # blocked convs (BlockedConvLayout) need their own legalization
+            from .blocked_conv import LegalizeBlockedConv
+
+            legalize = [LegalizeBlockedConv(), *legalize]
         ours = [p for p in (self._prologue, self._split, self._concat) if p is not None]
         if self.database is not None:  # tuned schedules for the kernels as the lowering left them
             ours.append(relax.transform.MetaScheduleApplyDatabase(self.database))

@@ -2,6 +2,8 @@
 
 ::
 
+    conv2d_nchwc.py  conv2d in the blocked layout NCHW[x]c + fused epilogue: register tile of
+                   output width x channel blocks, vector over the block, parallel outer loop
     conv2d.py      conv2d / grouped / depthwise (NCHW) + fused epilogue: register tile of
                    output channels x output width, vector FMAs, parallel outer loop
     dense.py       matmul + epilogue: vectorised output row, several vectors of accumulators

@@ -8,7 +8,7 @@ which rule gave it.
       a reshape (RewriteDataflowReshape turns it into a view, no kernel)               -> kept
       TIR without blocks (a wrapper around a library call)                             -> kept
       else the first rule that applies, in order:
-        conv2d -> dense -> pool/reduction -> dlight.cpu.Reduction -> injective -> generic
+        conv2d NCHWc -> conv2d -> dense -> pool/reduction -> dlight.cpu.Reduction -> injective -> generic
 
 The pass runs on ``llvm`` targets only (GPU targets have dlight's GPU rules). Usage::
 
@@ -31,13 +31,14 @@ from tvm import tirx
 
 from .base import CPUParams, Rule, loop_kinds
 from .conv2d import Conv2D
+from .conv2d_nchwc import Conv2DNCHWc
 from .dense import Dense
 from .injective import Generic, Injective
 from .reduction import DlightReduction, Reduction
 
 log = logging.getLogger(__name__)
 
-RULES: tuple[Rule, ...] = (Conv2D(), Dense(), Reduction(), DlightReduction(), Injective(), Generic())
+RULES: tuple[Rule, ...] = (Conv2DNCHWc(), Conv2D(), Dense(), Reduction(), DlightReduction(), Injective(), Generic())
 TUNED = "metaschedule"  # the rule name of a kernel a tuning database scheduled
 VIEW = "reshape (a view, no kernel)"
 CALL = "library call (no loop nest)"  # a TIR wrapper around a packed call (the oneDNN tactic's in-place conv)

@@ -42,6 +42,9 @@ class TacticPlan:
     version: str = ""  # oneDNN version
     winograd: str = "timed"  # how the conv algorithm was chosen (see use_onednn.WINOGRAD_CHOICES)
     block_width: int = 0  # the channel block of the blocked layout between oneDNN calls (0 plain, 8, 16)
+    tvm_layout: str = ""  # TVM's convs: "NCHW8c" etc. (relax/blocked_layout.py), "" plain NCHW
+    blocked_convs: int = 0  # convs in that layout
+    convs: int = 0  # all TVM convs
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(c.tactic for c in self.layers))
@@ -67,6 +70,9 @@ class TacticPlan:
             "onednn_version": self.version,
             "winograd": self.winograd,
             "block_width": self.block_width,
+            "tvm_layout": self.tvm_layout,
+            "blocked_convs": self.blocked_convs,
+            "convs": self.convs,
             "counts": self.counts(),
             "layers": [c.to_dict() for c in self.layers],
             "libraries": libraries,
@@ -101,7 +107,7 @@ def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto"
     if winograd not in WINOGRAD_CHOICES:
         raise UsageError(f"--winograd {winograd!r} is unknown; expected one of {', '.join(WINOGRAD_CHOICES)}")
     if tactics == "tvm":
-        return mod, TacticPlan(requested=tactics, used="tvm", note="--tactics tvm")
+        return _blocked(mod, spec, TacticPlan(requested=tactics, used="tvm", note="--tactics tvm"))
     reason = onednn_refusal(spec)
     if reason is None:
         from . import onednn
@@ -115,7 +121,7 @@ def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto"
             raise BuildError(f"--tactics onednn: {reason}")
         if spec.device == "cpu" and spec.machine == _machine() and not spec.cross_compiler:
             log.warning("oneDNN is not used, TVM kernels run every layer: %s", reason)
-        return mod, TacticPlan(requested=tactics, used="tvm", note=reason)
+        return _blocked(mod, spec, TacticPlan(requested=tactics, used="tvm", note=reason))
     from .use_onednn import UseOneDNNConv
 
     rewrite = UseOneDNNConv(params=params, winograd=winograd)
@@ -131,6 +137,23 @@ def apply_tactics(mod, params: Mapping[str, Any], spec, *, tactics: str = "auto"
         winograd=winograd,
         block_width=onednn.block_width() if used else 0,
     )
+    return (mod, plan) if used else _blocked(mod, spec, plan)
+
+
+def _blocked(mod, spec, plan: TacticPlan):
+    """Where TVM runs every conv of a CPU target: the convs in NCHW[x]c, ``x`` the target's
+    fp32 vector lanes (:mod:`...relax.blocked_layout`); (module, plan)."""
+    if spec.device != "cpu":
+        return mod, plan
+    from ...relax.blocked_layout import BlockedConvLayout, blocked_layouts
+    from ..schedules import CPUParams
+
+    lanes = CPUParams.of(spec.tvm_target()).lanes
+    layout = BlockedConvLayout(lanes)
+    mod = layout(mod)
+    plan.convs = layout.convs
+    if layout.blocked:
+        plan.tvm_layout, plan.blocked_convs = blocked_layouts(lanes)[0], layout.blocked
     return mod, plan
 
 
@@ -146,6 +169,8 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
     if info.get("used") == "onednn" and "block_width" in info:
         b = info["block_width"]
         head += f", layout {'nChw%dc' % b if b else 'nchw (no blocked kernels on this CPU)'} between oneDNN calls"
+    if info.get("used") == "tvm" and info.get("tvm_layout"):
+        head += f", convs in {info['tvm_layout']} ({info.get('blocked_convs')} of {info.get('convs')})"
     if info.get("note"):
         head += f"; {info['note']}"
     lines = [head]

@@ -1,0 +1,58 @@
+"""LegalizeBlockedConv: a conv2d in the blocked layout NCHW[x]c (weights OIHW[x]i[x]o) becomes
+TOPI's ``conv2d_NCHWc`` kernel.
+
+::
+
+    out[n, O_o, y, x, o_i] = sum_{c, ry, rx} pad(data)[n, c // B, y*s + ry*d, x*s + rx*d, c % B]
+                                               * W[O_o, c // B, ry, rx, c % B, o_i]
+
+TVM 0.27's ``LegalizeOps`` legalizes only 4-d conv layouts (it leaves a blocked conv2d as a
+Relax op, which no backend builds); this pass, put right before it, legalizes the blocked
+ones with ``topi.nn.conv2d_NCHWc`` (the compute TVM's x86 conv strategy used) and leaves every
+other call to ``LegalizeOps``. TVM's ``AnnotateTIROpPattern`` + ``FuseOps`` then fuse the
+epilogue (bias, activation, residual add) into it as into the NCHW conv, and the schedule rule
+``compile/schedules/conv2d_nchwc.py`` gives it its loop nest. Needs the target in context
+(``topi.nn.conv2d_NCHWc`` reads it).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, topi
+from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
+
+__all__ = ["LegalizeBlockedConv", "is_blocked_conv"]
+
+
+def is_blocked_conv(call: relax.Call) -> bool:
+    """``call`` is a conv2d in NCHW[x]c / OIHW[x]i[x]o with the same block for data, kernel
+    and output (what :class:`..relax.blocked_layout.BlockedConvLayout` writes)."""
+    a = call.attrs
+    data, kernel, out = str(a.data_layout), str(a.kernel_layout), str(a.out_layout or a.data_layout)
+    if not (data.startswith("NCHW") and data.endswith("c") and data[4:-1].isdigit()):
+        return False
+    b = data[4:-1]
+    return kernel == f"OIHW{b}i{b}o" and out == data and int(a.groups) == 1
+
+
+def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    if not is_blocked_conv(call):
+        return _nn_conv2d(bb, call)  # TVM's own legalization (4-d layouts; others stay Relax ops)
+    a = call.attrs
+    return bb.call_te(
+        topi.nn.conv2d_NCHWc,
+        call.args[0],
+        call.args[1],
+        stride=[int(s) for s in a.strides],
+        padding=[int(p) for p in a.padding],
+        dilation=[int(d) for d in a.dilation],
+        layout=str(a.data_layout),
+        out_layout=str(a.out_layout),
+        out_dtype=str(call.ty.dtype),  # out_dtype, or the inputs' where unset
+        primfunc_name_hint="conv2d_NCHWc",
+    )
+
+
+def LegalizeBlockedConv() -> tvm.transform.Pass:  # noqa: N802 - a pass constructor, as TVM names them
+    """``LegalizeOps`` with the blocked conv2d legalized by ``topi.nn.conv2d_NCHWc``."""
+    return relax.transform.LegalizeOps(customize_legalize_map={"relax.nn.conv2d": _legalize})
