@@ -368,3 +368,52 @@ def test_the_conv_rule_uses_the_target_vector_width(target, isa, lanes, width):
     text = out[name].script()
     assert "T.parallel" in text and "T.unroll" in text
     assert f"T.vectorized(T.int64({width}))" in text, text
+
+
+def test_blocked_layout_transforms_each_activation_once():
+    """Two blocked convs exchange a blocked tensor (no transform between them); the two
+    depthwise convs that stay NCHW read one transform of it, not one each; the blocked
+    module computes what the plain one computes."""
+    import tvm
+    from tvm import relax
+
+    from tvm_layerfuse.lowering import layerfuse_pipeline
+    from tvm_layerfuse.relax.blocked_layout import BlockedConvLayout
+
+    rng = np.random.default_rng(11)
+    shapes = {"w1": (16, 16, 3, 3), "w2": (32, 16, 1, 1), "d1": (16, 1, 3, 3), "d2": (16, 1, 3, 3)}
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 16, 10, 10), "float32"))
+    ws = {k: relax.Var(k, relax.TensorType(v, "float32")) for k, v in shapes.items()}
+    with bb.function("main", [x, *ws.values()]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, ws["w1"], padding=1)))
+            e = bb.emit(relax.op.nn.conv2d(y, ws["w2"]))  # [1, 32, 10, 10]
+            a = bb.emit(relax.op.nn.conv2d(y, ws["d1"], padding=1, groups=16))
+            b = bb.emit(relax.op.nn.conv2d(y, ws["d2"], padding=1, groups=16))
+            o = bb.emit_output(relax.op.concat([e, relax.op.add(a, b)], axis=1))
+        bb.emit_func_output(o)
+    plain = bb.get()
+    layout = BlockedConvLayout(8)
+    blocked = layout(plain)
+    assert (layout.blocked, layout.convs) == (2, 4)
+
+    transforms = []  # the activations a layout_transform reads
+    relax.analysis.post_order_visit(
+        blocked["main"].body,
+        lambda v: transforms.append(v.args[0])
+        if isinstance(v, relax.Call) and getattr(v.op, "name", "") == "relax.layout_transform" and v.args[0] not in ws.values()
+        else None,
+    )
+    # x -> blocked; y -> NCHW once for both depthwise convs; e -> NCHW for the concat
+    assert len(transforms) == 3, blocked["main"]
+
+    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    args = [rng.standard_normal((1, 16, 10, 10)).astype(np.float32)]
+    args += [rng.standard_normal(s).astype(np.float32) * 0.3 for s in shapes.values()]
+    outs = []
+    for mod in (plain, blocked):
+        ex = tvm.compile(mod, target=tgt, relax_pipeline=layerfuse_pipeline(tgt))
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        outs.append(vm["main"](*[tvm.runtime.tensor(v) for v in args]).numpy())
+    assert _rel_err(outs[0], outs[1]) <= 1e-5 and float(np.abs(outs[0]).max()) > 0

@@ -18,6 +18,13 @@ the classifier). ConvertLayout writes one transform per *use*; ``EliminateCommon
 then leaves one per *activation*. The weights' transforms are expressions of the weight
 parameters: ``LiftTransformParams`` computes them once at compile time.
 
+The conv groups of :mod:`.fuse_epilogue` (one Relax function per conv + epilogue, called
+from ``main``) would each get their own transforms at their boundaries, weights included,
+run at every inference. So a group whose conv will be blocked (plain conv, channels in whole
+blocks, its input a parameter of the group: not a prologue group) is first inlined into
+``main``; ConvertLayout then sees the whole graph, and :class:`.fuse_epilogue.FuseConv2DEpilogue`
+groups each blocked conv with its epilogue again (the same templates, layout-agnostic).
+
 The blocked ``conv2d`` is lowered by :class:`..lowering.blocked_conv.LegalizeBlockedConv`
 (TOPI's ``conv2d_NCHWc``) and scheduled by ``compile/schedules/conv2d_nchwc.py``.
 
@@ -29,9 +36,13 @@ Usage (weights still parameters)::
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import tvm
 from tvm import relax
+from tvm.relax.utils import copy_with_new_vars
+
+from ._ir import op_name, static_shape
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +83,290 @@ class BlockedConvLayout:
         self.convs = 0
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        from .fuse_epilogue import FuseConv2DEpilogue
+
         data, kernel = blocked_layouts(self.lanes)
-        out = relax.transform.ConvertLayout({"relax.nn.conv2d": [data, kernel]})(mod)
+        inlined, groups = inline_groups(mod, lambda f: _blockable_group(f, self.lanes))
+        inlined = _splits_to_slices(inlined)
+        out = relax.transform.ConvertLayout({"relax.nn.conv2d": [data, kernel]})(inlined)
         self.blocked, self.convs = count_blocked_convs(out)
         if not self.blocked:
             return mod  # nothing blocked: no transform enters the graph
         out = relax.transform.EliminateCommonSubexpr()(out)  # one transform per activation, not per use
-        log.info("blocked layout %s: %d of %d convs", data, self.blocked, self.convs)
+        out = _sink_to_plain(_blocked_slices(out, self.lanes), self.lanes)
+        out = relax.transform.CanonicalizeBindings()(out)
+        out = relax.transform.DeadCodeElimination()(out)
+        out = relax.transform.EliminateCommonSubexpr()(out)
+        if groups:
+            out = FuseConv2DEpilogue()(out)  # the inlined conv groups, blocked now
+            out = relax.transform.DeadCodeElimination()(out)
+        log.info("blocked layout %s: %d of %d convs (%d conv groups regrouped)", data, self.blocked, self.convs, groups)
         return out
+
+
+def _blockable_group(func: relax.Function, lanes: int) -> bool:
+    """``func`` is a conv group of :mod:`.fuse_epilogue` whose conv ConvertLayout blocks:
+    groups == 1, input and output channels multiples of ``lanes``, its data a parameter."""
+    attrs = func.attrs or {}
+    if not str(attrs.get("Composite", "")).startswith("layerfuse_conv2d") or not func.body.blocks:
+        return False
+    convs = [b.value for b in func.body.blocks[0].bindings if op_name(b.value) == "relax.nn.conv2d"]
+    if len(convs) != 1:
+        return False
+    (conv,) = convs
+    data, weight = (static_shape(a) for a in conv.args[:2])
+    return (
+        any(conv.args[0].same_as(p) for p in func.params)
+        and int(conv.attrs.groups) == 1
+        and str(conv.attrs.data_layout) == "NCHW"
+        and data is not None
+        and weight is not None
+        and data[1] % lanes == 0
+        and weight[0] % lanes == 0
+    )
+
+
+def inline_groups(mod: tvm.IRModule, which) -> tuple[tvm.IRModule, int]:
+    """``mod`` with every call from ``main`` to a function ``f`` with ``which(f)`` replaced by
+    ``f``'s bindings (its parameters bound to the call's arguments); (module, calls inlined)."""
+    main_gv = mod.get_global_var("main")
+    main = mod[main_gv]
+    count = 0
+    blocks = []
+    for block in main.body.blocks:
+        bindings = []
+        for b in block.bindings:
+            callee = b.value.op if isinstance(b.value, relax.Call) else None
+            func = mod[callee] if isinstance(callee, tvm.ir.GlobalVar) else None
+            inlinable = isinstance(b, relax.VarBinding) and isinstance(block, relax.DataflowBlock)
+            if not inlinable or not isinstance(func, relax.Function) or not which(func):
+                bindings.append(b)
+                continue
+            fresh = copy_with_new_vars(func)
+            fresh = fresh.bind_params(dict(zip(fresh.params, b.value.args)))
+            inner = list(fresh.body.blocks[0].bindings)
+            if inner and inner[-1].var.same_as(fresh.body.body):  # the last binding binds the call's var (no alias)
+                inner[-1] = relax.VarBinding(b.var, inner[-1].value)
+            else:
+                inner.append(relax.VarBinding(b.var, fresh.body.body))
+            bindings.extend(inner)
+            count += 1
+        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(bindings))
+    if not count:
+        return mod, 0
+    out = mod.clone()
+    body = relax.SeqExpr(blocks, main.body.body)
+    out[main_gv] = relax.Function(main.params, body, main.ret_ty, main.is_pure, main.attrs, main.span)
+    return relax.transform.DeadCodeElimination()(out), count
+
+
+# ---------------------------------------------------------------------- channel slices
+# TVM 0.27's ConvertLayout divides neither a split's indices nor its sections by the block
+# (a split of a blocked tensor at channel 64 of 22 blocks gives an empty piece, and the conv
+# reading it fails to type-check). So a channel split (the horizontal merge's pieces) goes in
+# as strided slices, which ConvertLayout keeps plain (to_plain -> slice -> to_blocked), and
+# comes out as a slice of the blocked tensor where the bounds are whole blocks:
+#     to_blocked(strided_slice(to_plain(t), axis 1, [lo, hi)))  ==  strided_slice(t, axis 1, [lo/B, hi/B))
+
+
+def _map_main(mod: tvm.IRModule, rebind) -> tvm.IRModule:
+    """``main`` with each dataflow binding ``b`` replaced by ``rebind(b, values)`` (a list of
+    bindings; ``values``: var -> bound value of every binding before)."""
+    main_gv = mod.get_global_var("main")
+    main = mod[main_gv]
+    values: dict = {}
+    blocks, changed = [], False
+    for block in main.body.blocks:
+        bindings = []
+        for b in block.bindings:
+            new = rebind(b, values) if isinstance(block, relax.DataflowBlock) and isinstance(b, relax.VarBinding) else None
+            if new is None:
+                new = [b]
+            else:
+                changed = True
+            for nb in new:
+                values[nb.var] = nb.value
+            bindings.extend(new)
+        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(bindings))
+    if not changed:
+        return mod
+    out = mod.clone()
+    out[main_gv] = relax.Function(main.params, relax.SeqExpr(blocks, main.body.body), main.ret_ty, main.is_pure, main.attrs, main.span)
+    return out
+
+
+def _splits_to_slices(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every piece ``split(x, ..., axis=1)[k]`` of a 4-d ``x`` as ``strided_slice(x, axis 1)``;
+    a split read other than by its pieces stays."""
+    main = mod["main"]
+    tuple_uses: dict = {}  # split var -> number of uses that are not TupleGetItem bindings
+
+    def visit(e):
+        if isinstance(e, relax.Var):
+            tuple_uses[e] = tuple_uses.get(e, 0) + 1
+        elif isinstance(e, relax.TupleGetItem) and isinstance(e.tuple_value, relax.Var):
+            tuple_uses[e.tuple_value] = tuple_uses.get(e.tuple_value, 0) - 1  # its var is visited too
+
+    relax.analysis.post_order_visit(main.body, visit)
+
+    def bounds(split: relax.Call) -> Optional[list[tuple[int, int]]]:
+        shape = static_shape(split.args[0])
+        if shape is None or len(shape) != 4 or int(split.attrs.axis) % 4 != 1:
+            return None
+        sections = split.attrs.indices_or_sections
+        channels = shape[1]
+        if isinstance(sections, (tvm.tirx.IntImm, int)):
+            step = channels // int(sections)
+            cuts = [step * k for k in range(1, int(sections))]
+        else:
+            cuts = [int(c) for c in sections]
+        edges = [0, *cuts, channels]
+        return list(zip(edges[:-1], edges[1:]))
+
+    def rebind(b, values):
+        if op_name(b.value) == "relax.split" and tuple_uses.get(b.var, 0) == 0 and bounds(b.value) is not None:
+            return []  # its pieces become slices below
+        if isinstance(b.value, relax.TupleGetItem) and isinstance(b.value.tuple_value, relax.Var):
+            split = values.get(b.value.tuple_value)
+            if split is None:  # dropped above: find it in the original bindings
+                split = _binding_value(main, b.value.tuple_value)
+            if op_name(split) == "relax.split" and tuple_uses.get(b.value.tuple_value, 0) == 0:
+                cuts = bounds(split)
+                if cuts is not None:
+                    lo, hi = cuts[int(b.value.index)]
+                    return [relax.VarBinding(b.var, relax.op.strided_slice(split.args[0], axes=[1], begin=[lo], end=[hi]))]
+        return None
+
+    return _map_main(mod, rebind)
+
+
+def _binding_value(func: relax.Function, var: relax.Var):
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if b.var.same_as(var):
+                return b.value
+    return None
+
+
+def _is_layout(call, lanes: int, *, blocked: bool) -> bool:
+    """``call`` is ``layout_transform`` NCHW -> NCHW[lanes]c (``blocked``) or back."""
+    if op_name(call) != "relax.layout_transform":
+        return False
+    src, dst = static_shape(call.args[0]), static_shape(call)
+    plain, block = (src, dst) if blocked else (dst, src)
+    if plain is None or block is None or len(plain) != 4 or len(block) != 5 or block[4] != lanes:
+        return False
+    if blocked:
+        probe, want = (0, lanes + 3, 1, 2), (0, 1, 1, 2, 3)
+    else:
+        probe, want = (0, 1, 1, 2, 3), (0, lanes + 3, 1, 2)
+    got = call.attrs.index_map.map_indices([tvm.tirx.IntImm("int64", v) for v in probe])
+    try:
+        return tuple(int(g) for g in got) == want
+    except (TypeError, ValueError):  # not constant: not this map
+        return False
+
+
+def _blocked_slices(mod: tvm.IRModule, lanes: int) -> tvm.IRModule:
+    """``to_blocked(strided_slice(to_plain(t), axis 1, [lo, hi)))`` -> a slice of ``t``."""
+
+    def rebind(b, values):
+        if not _is_layout(b.value, lanes, blocked=True):
+            return None
+        sliced = values.get(b.value.args[0])
+        if op_name(sliced) != "relax.strided_slice":
+            return None
+        plain = values.get(sliced.args[0])
+        if plain is None or not _is_layout(plain, lanes, blocked=False):
+            return None
+        axes, begin, end, strides = (_ints(sliced, k) for k in (1, 2, 3, 4))  # (data, axes, begin, end[, strides])
+        if axes != [1] or begin is None or end is None or (strides not in (None, [1])):
+            return None
+        lo, hi = begin[0], end[0]
+        if lo % lanes or hi % lanes:
+            return None
+        t = plain.args[0]
+        return [relax.VarBinding(b.var, relax.op.strided_slice(t, axes=[1], begin=[lo // lanes], end=[hi // lanes]))]
+
+    return _map_main(mod, rebind)
+
+
+def _ints(call, k: int) -> Optional[list[int]]:
+    if len(call.args) <= k:
+        return None
+    arg = call.args[k]
+    fields = getattr(arg, "fields", None) or getattr(arg, "values", None)
+    if fields is None:
+        return None
+    try:
+        return [int(getattr(f, "value", f)) for f in fields]
+    except (TypeError, ValueError):
+        return None
+
+
+# ConvertLayout keeps a concat plain when one of its pieces is (the plain slice of a split
+# piece that goes straight into a concat), and the pools after that concat with it. The
+# blocked form of those ops, where every channel count is whole blocks:
+#     concat(to_plain(a), to_plain(b), axis 1)  == to_plain(concat(a, b, axis 1))
+#     strided_slice(to_plain(t), axis 1, [lo, hi)) == to_plain(strided_slice(t, axis 1, [lo/B, hi/B)))
+#     pool(to_plain(t))                         == to_plain(pool_NCHWBc(t))
+#     to_blocked(to_plain(t))                   == t
+POOLS = {"relax.nn.max_pool2d": relax.op.nn.max_pool2d, "relax.nn.avg_pool2d": relax.op.nn.avg_pool2d}
+
+
+def _sink_to_plain(mod: tvm.IRModule, lanes: int) -> tvm.IRModule:
+    """Move ``to_plain`` transforms below the ops above (so that one ``to_blocked`` after them
+    cancels): each rewritten op is computed on the blocked tensors, and its plain result,
+    still bound to the op's variable, becomes dead where nothing plain reads it."""
+    bb = relax.BlockBuilder()
+    blocked: dict = {}  # plain var -> the blocked var it is to_plain of
+    data, _ = blocked_layouts(lanes)
+
+    def fresh(name: str, value) -> relax.VarBinding:
+        value = bb.normalize(value)
+        return relax.VarBinding(relax.DataflowVar(name, value.ty), value)
+
+    def to_plain(v, b: relax.VarBinding) -> relax.VarBinding:
+        blocked[v] = b.var
+        return relax.VarBinding(v, relax.op.layout_transform(b.var, lambda n, c, h, w, i: (n, c * lanes + i, h, w)))
+
+    def whole(shape) -> bool:
+        return shape is not None and len(shape) == 4 and shape[1] % lanes == 0
+
+    def rebind(b, values):
+        v, value = b.var, b.value
+        if _is_layout(value, lanes, blocked=False):
+            blocked[v] = value.args[0]
+            return None
+        if _is_layout(value, lanes, blocked=True) and value.args[0] in blocked:
+            return [relax.VarBinding(v, blocked[value.args[0]])]  # an alias, canonicalised away
+        name = op_name(value)
+        if name == "relax.concat" and int(value.attrs.axis) in (1, -3):
+            fields = list(value.args[0].fields) if isinstance(value.args[0], relax.Tuple) else None
+            if fields and all(f in blocked and whole(static_shape(f)) for f in fields):
+                cat = fresh(v.name + "_blocked", relax.op.concat([blocked[f] for f in fields], axis=1))
+                return [cat, to_plain(v, cat)]
+        if name == "relax.strided_slice" and value.args[0] in blocked:
+            axes, begin, end, strides = (_ints(value, k) for k in (1, 2, 3, 4))
+            if axes == [1] and begin and end and strides in (None, [1]) and begin[0] % lanes == 0 and end[0] % lanes == 0:
+                piece = relax.op.strided_slice(blocked[value.args[0]], axes=[1], begin=[begin[0] // lanes], end=[end[0] // lanes])
+                sl = fresh(v.name + "_blocked", piece)
+                return [sl, to_plain(v, sl)]
+        if name in POOLS and value.args[0] in blocked and str(value.attrs.layout) == "NCHW" and str(value.attrs.out_layout) == "NCHW":
+            a = value.attrs
+            pool = POOLS[name](
+                blocked[value.args[0]],
+                pool_size=[int(k) for k in a.pool_size],
+                strides=[int(k) for k in a.strides],
+                padding=[int(k) for k in a.padding],
+                dilation=[int(k) for k in a.dilation],
+                ceil_mode=bool(a.ceil_mode),
+                count_include_pad=bool(a.count_include_pad),
+                layout=data,
+                out_layout=data,
+            )
+            pb = fresh(v.name + "_blocked", pool)
+            return [pb, to_plain(v, pb)]
+        return None
+
+    return _map_main(mod, rebind)

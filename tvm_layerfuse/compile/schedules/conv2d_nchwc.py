@@ -48,7 +48,10 @@ MAX_CHANNEL_BLOCKS = 4  # channel blocks per register tile at most
 def register_tile(width: int, chunks: int, params: CPUParams) -> tuple[int, int]:
     """(output columns, channel blocks) per tile: the largest product of a divisor of ``width``
     and one of ``chunks`` whose accumulators, weight vectors and one broadcast fit the vector
-    registers; ties go to more columns (one weight load feeds them all)."""
+    registers; ties go to more columns (one weight load feeds them all). A width whose divisors
+    all give less than half the registers (a prime 19 or 23) gets equal column tiles that do
+    not divide it (19 -> 2 x 10, the last one predicated)."""
+    most = params.registers - 2  # accumulators of one channel block
     best = (1, 1)
     for c in range(1, min(chunks, MAX_CHANNEL_BLOCKS) + 1):
         if chunks % c:
@@ -58,6 +61,9 @@ def register_tile(width: int, chunks: int, params: CPUParams) -> tuple[int, int]
                 if (w * c, w) > (best[0] * best[1], best[0]):
                     best = (w, c)
                 break
+    if best[0] * best[1] < most // 2 and width > best[0]:
+        tiles = -(-width // most)
+        return -(-width // tiles), 1
     return best
 
 
@@ -89,7 +95,7 @@ class Conv2DNCHWc(Rule):
         _, chunks, _, width, _ = extents(sch, [n, occ, oh, ow, ocb])
         reg_w, reg_c = register_tile(width, chunks, params)
         ico, ici = sch.split(ic, [None, icb])
-        owo, owi = sch.split(ow, [None, reg_w])
+        owo, owi = sch.split(ow, [None, reg_w])  # a predicated last tile where reg_w does not divide
         occo, occi = sch.split(occ, [None, reg_c])
         sch.reorder(n, occo, oh, owo, ico, kh, kw, ici, occi, owi, ocb)
         par = sch.fuse(n, occo, oh)
