@@ -97,6 +97,7 @@ class BlockedConvLayout:
         out = relax.transform.CanonicalizeBindings()(out)
         out = relax.transform.DeadCodeElimination()(out)
         out = relax.transform.EliminateCommonSubexpr()(out)
+        out = _slices_to_split(out)
         if groups:
             out = FuseConv2DEpilogue()(out)  # the inlined conv groups, blocked now
             out = relax.transform.DeadCodeElimination()(out)
@@ -370,3 +371,61 @@ def _sink_to_plain(mod: tvm.IRModule, lanes: int) -> tvm.IRModule:
         return None
 
     return _map_main(mod, rebind)
+
+
+def _slices_to_split(mod: tvm.IRModule) -> tvm.IRModule:
+    """Channel slices of one tensor that cover it exactly, each once, as one ``split`` and its
+    pieces again: the form the lowering (``SplitOutputBuffers``, ``InPlaceConcat``) turns into
+    a producer writing its pieces in place (a slice is a copy kernel, and FuseOps fuses one
+    into the concat that reads it, which then stays a copy)."""
+    main = mod["main"]
+    pieces: dict = {}  # source var -> [(lo, hi, var)]
+    for block in main.body.blocks:
+        for b in block.bindings:
+            if op_name(b.value) != "relax.strided_slice" or not isinstance(b.value.args[0], relax.Var):
+                continue
+            axes, begin, end, strides = (_ints(b.value, k) for k in (1, 2, 3, 4))
+            if axes == [1] and begin and end and strides in (None, [1]):
+                pieces.setdefault(b.value.args[0], []).append((begin[0], end[0], b.var))
+    splits: dict = {}  # first piece var -> (source, cuts); piece var -> index
+    index: dict = {}
+    for src, ps in pieces.items():
+        shape = static_shape(src)
+        ps = sorted(ps, key=lambda p: p[0])
+        edges = [p[0] for p in ps] + [ps[-1][1]]
+        if shape is None or len(ps) < 2 or edges[0] != 0 or edges[-1] != shape[1]:
+            continue
+        if any(a[1] != b[0] for a, b in zip(ps, ps[1:])):
+            continue
+        first = min(ps, key=lambda p: _position(main, p[2]))[2]
+        splits[first] = (src, edges[1:-1], [p[2] for p in ps])
+        for k, p in enumerate(ps):
+            index[p[2]] = k
+    if not splits:
+        return mod
+    made: dict = {}  # source -> split var
+    bb = relax.BlockBuilder()
+
+    def rebind(b, values):
+        if b.var not in index:
+            return None
+        out = []
+        if b.var in splits:
+            src, cuts, _ = splits[b.var]
+            value = bb.normalize(relax.op.split(src, indices_or_sections=cuts, axis=1))
+            made[src] = relax.VarBinding(relax.DataflowVar(b.var.name + "_split", value.ty), value)
+            out.append(made[src])
+        src = b.value.args[0]
+        return out + [relax.VarBinding(b.var, relax.TupleGetItem(made[src].var, index[b.var]))]
+
+    return _map_main(mod, rebind)
+
+
+def _position(func: relax.Function, var) -> int:
+    k = 0
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if b.var.same_as(var):
+                return k
+            k += 1
+    return k
