@@ -417,3 +417,58 @@ def test_blocked_layout_transforms_each_activation_once():
         vm = relax.VirtualMachine(ex, tvm.cpu())
         outs.append(vm["main"](*[tvm.runtime.tensor(v) for v in args]).numpy())
     assert _rel_err(outs[0], outs[1]) <= 1e-5 and float(np.abs(outs[0]).max()) > 0
+
+
+def _inception(seed: int = 9) -> onnx.ModelProto:
+    """A stem conv, a pool, an Inception block (three 1x1 branches that merge horizontally
+    into one conv and a split, a 3x3 after one of them, a pool branch), a concat, a conv
+    after it and a residual add: every op between the blocked convs of GoogLeNet/ResNet."""
+    b = NetBuilder("inception_blocked", seed=seed)
+    x = b.input("x", (1, 16, 14, 14))
+    s = b.maxpool(b.relu(b.conv(x, 32, 3, pad=1)), 3, 1, 1)
+    one = b.relu(b.conv(s, 16, 1))
+    two = b.relu(b.conv(b.relu(b.conv(s, 32, 1)), 32, 3, pad=1))
+    three = b.relu(b.conv(s, 16, 1))
+    four = b.relu(b.conv(b.maxpool(s, 3, 1, 1), 16, 1))
+    cat = b.concat([one, two, three, four])  # 80 channels: whole blocks of 16 (and 8, 4)
+    y = b.relu(b.add(b.conv(cat, 32, 1), s))
+    return b.build([b.global_avgpool(b.maxpool(y, 2, 2))])
+
+
+def test_blocked_graph_transforms_only_at_its_edges(tmp_path):
+    """The fused model's convs, pools, split pieces, concat and residual add all run blocked:
+    the only activation transforms are the input's and the one before the global pool; the
+    merged conv still writes its split pieces and the concat stays in place; the numbers
+    match onnxruntime."""
+    from tvm import relax
+
+    from tvm_layerfuse import runtime
+    from tvm_layerfuse.compile.build import relax_module
+    from tvm_layerfuse.compile.presets import resolve
+    from tvm_layerfuse.compile.tactics import apply_tactics
+    from tvm_layerfuse.planner import plan as make_plan
+
+    model = _inception()
+    onnx.save(model, tmp_path / "m.onnx")
+    mod, params, _ = relax_module(tmp_path / "m.onnx", plan=make_plan(tmp_path / "m.onnx"), fuse=True)
+    blocked, tactics = apply_tactics(mod, params, resolve("cpu"), tactics="tvm")
+    assert tactics.blocked_convs == tactics.convs == 5, tactics  # (the three 1x1 are one conv)
+    main = blocked["main"]
+    static = set(relax.analysis.computable_at_compile_time(main))
+    moves = []
+    relax.analysis.post_order_visit(
+        main.body,
+        lambda e: moves.append(e)
+        if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.layout_transform" and e.args[0] not in static
+        else None,
+    )
+    assert len(moves) == 2, [str(m.args[0]) for m in moves]
+
+    art = compile_model(tmp_path / "m.onnx", tmp_path / "art", target="cpu", tactics="tvm", progress=False)
+    manifest = read_manifest(art)
+    assert manifest["fusion"]["kernels"]["concat_kernels"] == 0, manifest["fusion"]["kernels"]
+    assert manifest["fusion"]["kernels"]["split_kernels"] == 0, manifest["fusion"]["kernels"]
+    feeds = _feeds(model)
+    (ref,) = run_onnxruntime(model, feeds)
+    got = next(iter(runtime.load(art, device="cpu").run(feeds).values()))
+    assert _rel_err(ref, got) <= RTOL and float(np.abs(ref).max()) > 0
