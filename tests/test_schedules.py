@@ -64,7 +64,16 @@ def _conv_zoo() -> onnx.ModelProto:
     y = b.maxpool(outputs[2], 3, 2, 1)
     y = b.avgpool(y, 3, 1, 1, count_include_pad=False)
     outputs.append(b.linear(b.flatten(b.global_avgpool(y)), 10))
+    # MobileNet's inverted residual: the depthwise convs between blocked convs are blocked too
+    x = b.input("x_mobile", (1, 16, 15, 15))
+    y = b.clip(b.conv(x, 32, 1))
+    y = b.clip(b.conv(y, 32, 3, pad=1, groups=32))
+    y = b.clip(b.conv(y, 32, 3, stride=2, pad=1, groups=32))  # 15 -> 8 columns
+    outputs.append(b.conv(y, 16, 1))
     return b.build(outputs)
+
+
+MOBILE_CONVS = 4  # the inverted-residual branch's convs, all blocked on every target
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 3) -> dict[str, np.ndarray]:
@@ -112,13 +121,13 @@ def test_scheduled_convs_agree_with_onnxruntime(conv_zoo, x86_artifact):
 
     manifest = read_manifest(x86_artifact)
     kernels = _conv_kernels(manifest)
-    assert len(kernels) == len(CONVS)
+    assert len(kernels) == len(CONVS) + MOBILE_CONVS
     rules = [v["rule"] for v in kernels.values()]
     assert set(rules) == {"conv2d", BLOCKED_RULE}, kernels  # not a fallback rule
     lanes = manifest["schedules"]["lanes"]
-    assert rules.count(BLOCKED_RULE) == len(_blocked(lanes)), kernels
+    assert rules.count(BLOCKED_RULE) == len(_blocked(lanes)) + MOBILE_CONVS, kernels
     tactics = manifest["tactics"]
-    assert (tactics["tvm_layout"], tactics["blocked_convs"]) == (f"NCHW{lanes}c", len(_blocked(lanes))), tactics
+    assert (tactics["tvm_layout"], tactics["blocked_convs"]) == (f"NCHW{lanes}c", len(_blocked(lanes)) + MOBILE_CONVS), tactics
 
 
 def test_artifact_has_no_unscheduled_kernel(x86_artifact):
@@ -186,7 +195,7 @@ def test_aarch64_conv_kernel_is_parallel_and_vectorised(aarch64_artifact):
     kernels = _conv_kernels(read_manifest(aarch64_artifact))
     rules = [v["rule"] for v in kernels.values()]
     assert set(rules) == {"conv2d", BLOCKED_RULE}, kernels
-    assert rules.count(BLOCKED_RULE) == len(_blocked(4)), kernels
+    assert rules.count(BLOCKED_RULE) == len(_blocked(4)) + MOBILE_CONVS, kernels
     blocked = [v for v in kernels.values() if v["rule"] == BLOCKED_RULE]
     assert all(v["vectorized"] for v in blocked), kernels
     # all parallel but one_column's (a 1x1 output: too little work for a parallel launch)
@@ -372,7 +381,7 @@ def test_the_conv_rule_uses_the_target_vector_width(target, isa, lanes, width):
 
 def test_blocked_layout_transforms_each_activation_once():
     """Two blocked convs exchange a blocked tensor (no transform between them); the two
-    depthwise convs that stay NCHW read one transform of it, not one each; the blocked
+    grouped convs that stay NCHW read one transform of it, not one each; the blocked
     module computes what the plain one computes."""
     import tvm
     from tvm import relax
@@ -381,7 +390,7 @@ def test_blocked_layout_transforms_each_activation_once():
     from tvm_layerfuse.relax.blocked_layout import BlockedConvLayout
 
     rng = np.random.default_rng(11)
-    shapes = {"w1": (16, 16, 3, 3), "w2": (32, 16, 1, 1), "d1": (16, 1, 3, 3), "d2": (16, 1, 3, 3)}
+    shapes = {"w1": (16, 16, 3, 3), "w2": (32, 16, 1, 1), "d1": (16, 4, 3, 3), "d2": (16, 4, 3, 3)}
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, 16, 10, 10), "float32"))
     ws = {k: relax.Var(k, relax.TensorType(v, "float32")) for k, v in shapes.items()}
@@ -389,8 +398,8 @@ def test_blocked_layout_transforms_each_activation_once():
         with bb.dataflow():
             y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, ws["w1"], padding=1)))
             e = bb.emit(relax.op.nn.conv2d(y, ws["w2"]))  # [1, 32, 10, 10]
-            a = bb.emit(relax.op.nn.conv2d(y, ws["d1"], padding=1, groups=16))
-            b = bb.emit(relax.op.nn.conv2d(y, ws["d2"], padding=1, groups=16))
+            a = bb.emit(relax.op.nn.conv2d(y, ws["d1"], padding=1, groups=4))
+            b = bb.emit(relax.op.nn.conv2d(y, ws["d2"], padding=1, groups=4))
             o = bb.emit_output(relax.op.concat([e, relax.op.add(a, b)], axis=1))
         bb.emit_func_output(o)
     plain = bb.get()
@@ -405,7 +414,7 @@ def test_blocked_layout_transforms_each_activation_once():
         if isinstance(v, relax.Call) and getattr(v.op, "name", "") == "relax.layout_transform" and v.args[0] not in ws.values()
         else None,
     )
-    # x -> blocked; y -> NCHW once for both depthwise convs; e -> NCHW for the concat
+    # x -> blocked; y -> NCHW once for both grouped convs; e -> NCHW for the concat
     assert len(transforms) == 3, blocked["main"]
 
     tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})

@@ -98,6 +98,7 @@ class BlockedConvLayout:
         out = relax.transform.DeadCodeElimination()(out)
         out = relax.transform.EliminateCommonSubexpr()(out)
         out = _slices_to_split(out)
+        self.blocked, self.convs = count_blocked_convs(out)
         if groups:
             out = FuseConv2DEpilogue()(out)  # the inlined conv groups, blocked now
             out = relax.transform.DeadCodeElimination()(out)
@@ -106,8 +107,9 @@ class BlockedConvLayout:
 
 
 def _blockable_group(func: relax.Function, lanes: int) -> bool:
-    """``func`` is a conv group of :mod:`.fuse_epilogue` whose conv ConvertLayout blocks:
-    groups == 1, input and output channels multiples of ``lanes``, its data a parameter."""
+    """``func`` is a conv group of :mod:`.fuse_epilogue` whose conv will be blocked: a plain
+    conv (ConvertLayout) or a depthwise one (:func:`_sink_to_plain`), input and output channels
+    multiples of ``lanes``, its data a parameter (not a prologue group)."""
     attrs = func.attrs or {}
     if not str(attrs.get("Composite", "")).startswith("layerfuse_conv2d") or not func.body.blocks:
         return False
@@ -116,9 +118,10 @@ def _blockable_group(func: relax.Function, lanes: int) -> bool:
         return False
     (conv,) = convs
     data, weight = (static_shape(a) for a in conv.args[:2])
+    groups = int(conv.attrs.groups)
     return (
         any(conv.args[0].same_as(p) for p in func.params)
-        and int(conv.attrs.groups) == 1
+        and (groups == 1 or (data is not None and weight is not None and groups == data[1] == weight[0] and weight[1] == 1))
         and str(conv.attrs.data_layout) == "NCHW"
         and data is not None
         and weight is not None
@@ -311,7 +314,14 @@ def _ints(call, k: int) -> Optional[list[int]]:
 #     concat(to_plain(a), to_plain(b), axis 1)  == to_plain(concat(a, b, axis 1))
 #     strided_slice(to_plain(t), axis 1, [lo, hi)) == to_plain(strided_slice(t, axis 1, [lo/B, hi/B)))
 #     pool(to_plain(t))                         == to_plain(pool_NCHWBc(t))
+#     f(to_plain(t), u)                         == to_plain(f(t, to_blocked(u)))   (element-wise f, u 4-d or a scalar)
+#     depthwise(to_plain(t), W)                 == to_plain(depthwise_NCHWBc(t, W as OIHW1iBo))
 #     to_blocked(to_plain(t))                   == t
+UNARY = {
+    "relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh", "relax.nn.silu", "relax.nn.gelu",
+    "relax.nn.gelu_tanh", "relax.nn.leakyrelu", "relax.erf", "relax.exp",
+}  # fmt: skip
+BINARY = {"relax.add", "relax.multiply", "relax.subtract", "relax.divide", "relax.maximum", "relax.minimum"}
 POOLS = {"relax.nn.max_pool2d": relax.op.nn.max_pool2d, "relax.nn.avg_pool2d": relax.op.nn.avg_pool2d}
 
 
@@ -353,6 +363,15 @@ def _sink_to_plain(mod: tvm.IRModule, lanes: int) -> tvm.IRModule:
                 piece = relax.op.strided_slice(blocked[value.args[0]], axes=[1], begin=[begin[0] // lanes], end=[end[0] // lanes])
                 sl = fresh(v.name + "_blocked", piece)
                 return [sl, to_plain(v, sl)]
+        if name == "relax.nn.conv2d" and value.args[0] in blocked:
+            return _depthwise(v, value, blocked[value.args[0]])
+        if name in UNARY and value.args and value.args[0] in blocked:
+            rest = list(value.args[1:])
+            if all(not isinstance(a.ty, relax.TensorType) for a in rest):
+                op = fresh(v.name + "_blocked", relax.Call(value.op, [blocked[value.args[0]], *rest], value.attrs))
+                return [op, to_plain(v, op)]
+        if name in BINARY and len(value.args) == 2:
+            return _binary(v, value)
         if name in POOLS and value.args[0] in blocked and str(value.attrs.layout) == "NCHW" and str(value.attrs.out_layout) == "NCHW":
             a = value.attrs
             pool = POOLS[name](
@@ -369,6 +388,62 @@ def _sink_to_plain(mod: tvm.IRModule, lanes: int) -> tvm.IRModule:
             pb = fresh(v.name + "_blocked", pool)
             return [pb, to_plain(v, pb)]
         return None
+
+    def to_blocked(x, name: str):
+        """``x`` (4-d, plain) in the blocked layout: its blocked var, or a new transform."""
+        if x in blocked:
+            return blocked[x], []
+        t = fresh(name, relax.op.layout_transform(x, lambda n, c, h, w: (n, c // lanes, h, w, c % lanes)))
+        return t.var, [t]
+
+    def _binary(v, value):
+        a, b = value.args
+        if a not in blocked and b not in blocked:
+            return None
+        out = static_shape(v)
+        if out is None or len(out) != 4 or out[1] % lanes:
+            return None
+        new, pre = [], []
+        for x in (a, b):
+            shape = static_shape(x)
+            if shape is not None and len(shape) == 0:  # a scalar: as it is
+                new.append(x)
+            elif shape is not None and len(shape) == 4 and shape[1] == out[1]:
+                xb, made = to_blocked(x, v.name + "_operand")
+                new.append(xb)
+                pre += made
+            else:
+                return None
+        op = fresh(v.name + "_blocked", relax.Call(value.op, new, value.attrs))
+        return [*pre, op, to_plain(v, op)]
+
+    def _depthwise(v, conv, x):
+        """A depthwise conv (channel multiplier 1) on a blocked tensor: weights ``[C, 1, kh, kw]``
+        as ``OIHW1i{B}o`` ``[C/B, 1, kh, kw, 1, B]``."""
+        a = conv.attrs
+        w = static_shape(conv.args[1])
+        c = static_shape(conv.args[0])
+        if w is None or c is None or not (int(a.groups) == c[1] == w[0] and w[1] == 1) or c[1] % lanes:
+            return None
+        if str(a.data_layout) != "NCHW" or str(a.kernel_layout) != "OIHW" or str(a.out_layout) not in ("", "NCHW"):
+            return None
+        wb = fresh(v.name + "_weight", relax.op.layout_transform(conv.args[1], lambda o, i, h, w: (o // lanes, i, h, w, i % 1, o % lanes)))
+        out = fresh(
+            v.name + "_blocked",
+            relax.op.nn.conv2d(
+                x,
+                wb.var,
+                strides=[int(k) for k in a.strides],
+                padding=[int(k) for k in a.padding],
+                dilation=[int(k) for k in a.dilation],
+                groups=int(a.groups),
+                data_layout=data,
+                kernel_layout=f"OIHW1i{lanes}o",
+                out_layout=data,
+                out_dtype=str(v.ty.dtype),
+            ),
+        )
+        return [wb, out, to_plain(v, out)]
 
     return _map_main(mod, rebind)
 

@@ -1,4 +1,4 @@
-"""conv2d in the blocked layout NCHW[x]c (TOPI's ``conv2d_NCHWc``, see
+"""conv2d and depthwise conv2d in the blocked layout NCHW[x]c (TOPI's ``conv2d_NCHWc``, see
 ``lowering/blocked_conv.py``) with its fused epilogue: the loop nest of TVM's x86 conv
 schedule (``topi/x86/conv2d_avx_common.py``, removed with TE schedules) as TIR schedule
 primitives.
@@ -42,6 +42,7 @@ from .base import (
 )
 
 BLOCK = "conv2d_NCHWc"
+DEPTHWISE = "depthwise_conv2d_NCHWc"  # lowering/blocked_conv.py
 MAX_CHANNEL_BLOCKS = 4  # channel blocks per register tile at most
 
 
@@ -81,6 +82,9 @@ class Conv2DNCHWc(Rule):
 
     def apply(self, func, params: CPUParams, target) -> s_tir.Schedule:
         sch = s_tir.Schedule(func)
+        depthwise = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(DEPTHWISE)]
+        if len(depthwise) == 1:
+            return self._depthwise(sch, depthwise[0], params)
         found = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(BLOCK)]
         if len(found) != 1:
             raise RuleRefused(f"{len(found)} blocked conv2d blocks")
@@ -106,6 +110,35 @@ class Conv2DNCHWc(Rule):
         sch.unroll(owi)
         sch.vectorize(ocb)
         sch.decompose_reduction(block, ico)  # the init loops copy the tile's unroll and vector
+        for b in epilogue:
+            lp = sch.get_loops(b)
+            if len(lp) > 1 and int(sch.get(lp[-1]).extent) >= 2:
+                sch.vectorize(lp[-1])
+        finish_root(sch, params)
+        return sch
+
+    def _depthwise(self, sch: s_tir.Schedule, block, params: CPUParams) -> s_tir.Schedule:
+        """A depthwise conv: no reduction over channels, so each output vector is its own
+        channel block's; the tile is output columns only, each FMA one vector load of input::
+
+            parallel(n . C_o . y) / x/o: acc[x/i, :] += pad[.., x*s + rx, :] * W[C_o, ry, rx, :]
+        """
+        kinds = iter_kinds(sch, block)
+        if kinds != "SSSSSRR":
+            raise RuleRefused(f"blocked depthwise iterators {kinds}, expected SSSSSRR")
+        total = work(sch, block)
+        sch.cache_write(block, 0, "local")
+        n, c, oh, ow, cb, ry, rx = loops_per_iter(sch, block)
+        width = extents(sch, [ow])[0]
+        reg_w, _ = register_tile(width, 1, params)
+        owo, owi = sch.split(ow, [None, reg_w])
+        sch.reorder(n, c, oh, owo, ry, rx, owi, cb)
+        par = sch.fuse(n, c, oh)
+        epilogue = _epilogue_per_tile(sch, block, owo, params)
+        parallelize(sch, par, total)
+        sch.unroll(owi)
+        sch.vectorize(cb)
+        sch.decompose_reduction(block, ry)
         for b in epilogue:
             lp = sch.get_loops(b)
             if len(lp) > 1 and int(sch.get(lp[-1]).extent) >= 2:
