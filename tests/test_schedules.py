@@ -48,8 +48,9 @@ BLOCKED_RULE = "conv2d NCHWc"
 
 def _blocked(lanes: int) -> list[str]:
     """The convs of CONVS in the blocked layout for a target of ``lanes`` fp32 lanes: plain
-    convs whose input and output channels fill whole blocks."""
-    return [n for n, (c, _, _), cout, _, _, _, g in CONVS if g == 1 and c % lanes == 0 and cout % lanes == 0]
+    convs whose output channels fill whole blocks and whose input channels do too or are
+    fewer than a block (an image's 3: one narrow block)."""
+    return [n for n, (c, _, _), cout, _, _, _, g in CONVS if g == 1 and (c % lanes == 0 or c < lanes) and cout % lanes == 0]
 
 
 def _conv_zoo() -> onnx.ModelProto:

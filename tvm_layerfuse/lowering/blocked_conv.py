@@ -27,16 +27,19 @@ __all__ = ["LegalizeBlockedConv", "depthwise_conv2d_nchwc", "is_blocked_conv", "
 
 def is_blocked_conv(call: relax.Call) -> bool:
     """``call`` is a conv2d in NCHW[x]c / OIHW[x]i[x]o with the same block for data, kernel
-    and output (what :class:`..relax.blocked_layout.BlockedConvLayout` writes)."""
+    and output, or NCHW[k]c / OIHW[k]i[x]o -> NCHW[x]c (a narrow input as one block), or a
+    blocked depthwise conv (what :class:`..relax.blocked_layout.BlockedConvLayout` writes)."""
     a = call.attrs
     data, kernel, out = str(a.data_layout), str(a.kernel_layout), str(a.out_layout or a.data_layout)
     if not (data.startswith("NCHW") and data.endswith("c") and data[4:-1].isdigit()):
         return False
     b = data[4:-1]
-    if out != data:
-        return False
-    return (kernel == f"OIHW{b}i{b}o" and int(a.groups) == 1) or is_blocked_depthwise(call)
-
+    if out == data:
+        return (kernel == f"OIHW{b}i{b}o" and int(a.groups) == 1) or is_blocked_depthwise(call)
+    # a narrow input (an image's channels as one block) into whole output blocks
+    o = out[4:-1]
+    narrow = out.startswith("NCHW") and out.endswith("c") and o.isdigit()
+    return narrow and kernel == f"OIHW{b}i{o}o" and int(a.groups) == 1
 
 def is_blocked_depthwise(call: relax.Call) -> bool:
     """A depthwise conv (one channel per group) in NCHW[x]c with weights OIHW1i[x]o."""

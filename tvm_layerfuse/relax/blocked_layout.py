@@ -125,7 +125,7 @@ def _blockable_group(func: relax.Function, lanes: int) -> bool:
         and str(conv.attrs.data_layout) == "NCHW"
         and data is not None
         and weight is not None
-        and data[1] % lanes == 0
+        and (data[1] % lanes == 0 or (groups == 1 and data[1] < lanes))  # (an image's 3 channels: one narrow block)
         and weight[0] % lanes == 0
     )
 
@@ -316,6 +316,7 @@ def _ints(call, k: int) -> Optional[list[int]]:
 #     pool(to_plain(t))                         == to_plain(pool_NCHWBc(t))
 #     f(to_plain(t), u)                         == to_plain(f(t, to_blocked(u)))   (element-wise f, u 4-d or a scalar)
 #     depthwise(to_plain(t), W)                 == to_plain(depthwise_NCHWBc(t, W as OIHW1iBo))
+#     conv2d(x, W), x with k < B channels       == to_plain(conv2d_NCHWkc(x as NCHWkc, W as OIHWkiBo) -> NCHWBc)
 #     to_blocked(to_plain(t))                   == t
 UNARY = {
     "relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh", "relax.nn.silu", "relax.nn.gelu",
@@ -365,6 +366,8 @@ def _sink_to_plain(mod: tvm.IRModule, lanes: int) -> tvm.IRModule:
                 return [sl, to_plain(v, sl)]
         if name == "relax.nn.conv2d" and value.args[0] in blocked:
             return _depthwise(v, value, blocked[value.args[0]])
+        if name == "relax.nn.conv2d":
+            return _narrow_input(v, value)
         if name in UNARY and value.args and value.args[0] in blocked:
             rest = list(value.args[1:])
             if all(not isinstance(a.ty, relax.TensorType) for a in rest):
@@ -416,6 +419,37 @@ def _sink_to_plain(mod: tvm.IRModule, lanes: int) -> tvm.IRModule:
                 return None
         op = fresh(v.name + "_blocked", relax.Call(value.op, new, value.attrs))
         return [*pre, op, to_plain(v, op)]
+
+    def _narrow_input(v, conv):
+        """A plain conv with fewer input channels than a block (an image's 3) and whole output
+        blocks: its input as one block of all its channels (``NCHW3c``, ``[N, 1, H, W, 3]``),
+        its output blocked, so the conv runs blocked and so does everything after it."""
+        a = conv.attrs
+        w = static_shape(conv.args[1])
+        c = static_shape(conv.args[0])
+        if w is None or c is None or len(c) != 4 or int(a.groups) != 1 or not (c[1] < lanes and w[0] % lanes == 0):
+            return None
+        if str(a.data_layout) != "NCHW" or str(a.kernel_layout) != "OIHW" or str(a.out_layout) not in ("", "NCHW"):
+            return None
+        k = c[1]
+        xb = fresh(v.name + "_input", relax.op.layout_transform(conv.args[0], lambda n, i, h, w: (n, i // k, h, w, i % k)))
+        w_map = lambda o, i, h, w: (o // lanes, i // k, h, w, i % k, o % lanes)  # noqa: E731 - OIHW -> OIHWkiBo
+        wb = fresh(v.name + "_weight", relax.op.layout_transform(conv.args[1], w_map))
+        out = fresh(
+            v.name + "_blocked",
+            relax.op.nn.conv2d(
+                xb.var,
+                wb.var,
+                strides=[int(s) for s in a.strides],
+                padding=[int(p) for p in a.padding],
+                dilation=[int(d) for d in a.dilation],
+                data_layout=f"NCHW{k}c",
+                kernel_layout=f"OIHW{k}i{lanes}o",
+                out_layout=data,
+                out_dtype=str(v.ty.dtype),
+            ),
+        )
+        return [xb, wb, out, to_plain(v, out)]
 
     def _depthwise(v, conv, x):
         """A depthwise conv (channel multiplier 1) on a blocked tensor: weights ``[C, 1, kh, kw]``
