@@ -19,7 +19,9 @@ reads and writes whole planes contiguously: its output rows and columns are one 
 the vector is a multiple of the lanes wherever ``H*W`` allows (28x28, 56x56) even when
 the width is not. A row of one column (a 1x1 output) vectorises over the output channels.
 
-The layout stays NCHW: no layout transform enters the graph, so none has to be hoisted.
+This rule serves the convs left in NCHW: grouped convs, channel counts that are not whole
+vector blocks, and the convs oneDNN leaves to TVM. Where TVM runs every conv, the others are
+blocked (``relax/blocked_layout.py``) and ``conv2d_nchwc.py`` schedules them.
 """
 
 from __future__ import annotations
