@@ -42,6 +42,7 @@ class TacticPlan:
     version: str = ""  # oneDNN version
     winograd: str = "timed"  # how the conv algorithm was chosen (see use_onednn.WINOGRAD_CHOICES)
     block_width: int = 0  # the channel block of the blocked layout between oneDNN calls (0 plain, 8, 16)
+    packing: Any = None  # prepack.PackReport: the conv calls whose weights the artifact holds packed
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(c.tactic for c in self.layers))
@@ -70,6 +71,7 @@ class TacticPlan:
             "counts": self.counts(),
             "layers": [c.to_dict() for c in self.layers],
             "libraries": libraries,
+            "packed_weights": self.packing.to_dict() if self.packing is not None else None,
         }
 
 

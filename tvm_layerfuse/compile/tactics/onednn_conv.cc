@@ -125,12 +125,13 @@ float FloatBits(int64_t v) {
 // The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
 // below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
 // together and raise kAbiVersion with abi.ABI_VERSION.
-constexpr int64_t kAbiVersion = 3;
+constexpr int64_t kAbiVersion = 4;
 
 // ConvAttrs: a conv's attrs
 enum ConvField : int {
   kStrideH, kStrideW, kPadTop, kPadLeft, kPadBottom, kPadRight, kDilationH, kDilationW, kGroups, kAct,
-  kSrcBlock, kDstBlock, kAlphaBits, kBetaBits, kAlgorithm, kLayer, kConvFieldCount
+  kSrcBlock, kDstBlock, kAlphaBits, kBetaBits, kAlgorithm, kLayer, kPacked, kWeightO, kWeightI, kWeightKh, kWeightKw,
+  kConvFieldCount
 };
 // PoolAttrs: a pool's attrs
 enum PoolField : int {
@@ -173,6 +174,8 @@ struct Attrs {
   float alpha, beta;
   int64_t algorithm;  // 0 direct, 1 Winograd
   int64_t layer;      // the layer's id in its module
+  int64_t packed;     // 0: the weight tensor is plain OIHW; else the identity of its packed layout (PackedId)
+  dims wdims;         // packed: the weights' [O, C/groups, kh, kw] (the tensor is their packed bytes)
   static Attrs From(const Shape& a) {
     if (a.size() != kConvFieldCount)
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have " << kConvFieldCount << " entries, got " << a.size();
@@ -185,9 +188,16 @@ struct Attrs {
     for (int f : {kPadTop, kPadLeft, kPadBottom, kPadRight, kLayer})
       if (a[f] < 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv attrs need paddings and a layer id >= 0";
     CheckBlock(a[kSrcBlock]);
+    if (a[kPacked] < 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv attrs' packed identity must be >= 0";
+    dims wdims;
+    if (a[kPacked]) {
+      wdims = {a[kWeightO], a[kWeightI], a[kWeightKh], a[kWeightKw]};
+      for (int64_t d : wdims)
+        if (d < 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: packed conv attrs need weight dims >= 1";
+    }
     return Attrs{{a[kStrideH], a[kStrideW]}, {a[kPadTop], a[kPadLeft]}, {a[kPadBottom], a[kPadRight]},
                  {a[kDilationH], a[kDilationW]}, a[kGroups], a[kAct], a[kSrcBlock], a[kDstBlock],
-                 FloatBits(a[kAlphaBits]), FloatBits(a[kBetaBits]), a[kAlgorithm], a[kLayer]};
+                 FloatBits(a[kAlphaBits]), FloatBits(a[kBetaBits]), a[kAlgorithm], a[kLayer], a[kPacked], wdims};
   }
 };
 
@@ -312,8 +322,63 @@ std::vector<float> Fingerprint(const float* w, int64_t n) {
   return f;
 }
 
-// One conv layer (or one row range of a merged one) as made for its weights: immutable once
-// made, shared by every thread that runs the layer.
+// FNV-1a over the bytes of the values added (keys and identities; not for security).
+struct Hasher {
+  uint64_t h = 1469598103934665603ull;
+  template <typename T>
+  void Add(const T& v) {
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(&v);
+    for (size_t i = 0; i < sizeof(T); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+};
+
+// The identity of a weights layout: the fields of its memory desc (dnnl_memory_desc_t, a plain C
+// struct in oneDNN 2.x) that say where each weight lives, read field by field - not the
+// struct's bytes, whose padding and unused union members are no part of the layout. Blocked
+// layouts (OIhw8i8o ...) and Winograd's opaque one (wino_desc: its format, tile and blocking,
+// its size) are covered; a conv's weights have no other kind.
+uint64_t DescId(const dnnl::memory::desc& md) {
+  const dnnl_memory_desc_t& d = md.data;
+  Hasher h;
+  h.Add(d.ndims);
+  for (int i = 0; i < d.ndims; ++i) h.Add(d.dims[i]), h.Add(d.padded_dims[i]), h.Add(d.padded_offsets[i]);
+  h.Add(static_cast<int>(d.data_type));
+  h.Add(d.offset0);
+  h.Add(static_cast<int>(d.format_kind));
+  if (d.format_kind == dnnl_blocked) {
+    const dnnl_blocking_desc_t& b = d.format_desc.blocking;
+    for (int i = 0; i < d.ndims; ++i) h.Add(b.strides[i]);
+    h.Add(b.inner_nblks);
+    for (int i = 0; i < b.inner_nblks; ++i) h.Add(b.inner_blks[i]), h.Add(b.inner_idxs[i]);
+  } else if (d.format_kind == dnnl_format_kind_wino) {
+    const dnnl_wino_desc_t& w = d.format_desc.wino_desc;
+    for (int v : {static_cast<int>(w.wino_format), w.r, w.alpha, w.ic, w.oc, w.ic_block, w.oc_block, w.ic2_block, w.oc2_block})
+      h.Add(v);
+    h.Add(w.adj_scale);
+    h.Add(w.size);
+  } else {
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: weights of format kind " << d.format_kind << " have no identity";
+  }
+  h.Add(d.extra.flags);
+  h.Add(d.extra.compensation_mask);
+  h.Add(d.extra.scale_adjust);
+  h.Add(d.extra.asymm_compensation_mask);
+  h.Add(static_cast<uint64_t>(md.get_size()));
+  return h.h;
+}
+
+// The packed identity of a call whose pieces' weights have the layouts `ids` (in piece order):
+// positive and non-zero, so it fits an attrs entry and 0 can mean "plain".
+int64_t PackedId(const std::vector<uint64_t>& ids) {
+  Hasher h;
+  for (uint64_t id : ids) h.Add(id);
+  return static_cast<int64_t>(h.h >> 2) | 1;
+}
+
+// One conv layer (or one row range of a merged one): immutable once made, shared by every
+// thread that runs the layer. Its weights are the call's own tensor, used in place, when the
+// call's weights are packed (attrs' `packed`); else (plain OIHW weights: calls made by hand,
+// and forms the compiler does not pack) a copy reordered once into the primitive's layout.
 struct Layer {
   uint64_t serial;  // unique in the process: the key of each thread's buffers for this layer
   dims x, wdims;    // what it was made for (checked on every call)
@@ -322,27 +387,35 @@ struct Layer {
   int64_t dst_block;
   dnnl::convolution_forward::primitive_desc pd;
   dnnl::convolution_forward prim;
-  dnnl::memory weights;  // in pd.weights_desc(), owned
-  std::vector<float> fingerprint;
+  uint64_t weights_id;   // DescId(pd.weights_desc())
+  size_t weights_size;   // its bytes
+  bool packed;           // the weights are the call's (packed) tensor
+  dnnl::memory weights;  // plain weights only: in pd.weights_desc(), owned
+  std::vector<float> fingerprint;  // plain weights only
   // plain NCHW <-> the primitive's layout, for a src/dst that is plain in the graph
   dnnl::memory::desc src_plain, dst_plain;
   bool src_reorder = false, dst_reorder = false;
   Reorder src_in, dst_in, dst_out;
 };
 
-// The layers, found by the layer id the compiler gave the call (attrs' `layer`) and the address
-// of the rows' weights (two modules, or two row ranges of one merged conv, differ there); what
-// a layer was made for is compared on every call, with a fingerprint of the weights (new
-// weights at a reused address are reordered again). ReleaseLayers() drops them all (a module
-// is loaded: its weights may sit where an unloaded module's were).
+// The layers, found by the layer id the compiler gave the call (attrs' `layer`), the piece of
+// the call (a merged conv's row ranges), a hash of what the layer is made for (two modules
+// with the same layer ids) and - plain weights only - the address of the rows' weights. What a
+// layer was made for is compared on every call; plain weights also by a fingerprint (new
+// weights at a reused address are reordered again). Packed layers hold no weights: nothing
+// of them depends on which module's tensor a call passes. ReleaseLayers() drops them all.
 struct LayerKey {
   int64_t layer;
-  const void* weights;
-  bool operator==(const LayerKey& o) const { return layer == o.layer && weights == o.weights; }
+  const void* weights;  // plain weights: their address; packed: null
+  size_t piece;
+  uint64_t made_for;
+  bool operator==(const LayerKey& o) const {
+    return layer == o.layer && weights == o.weights && piece == o.piece && made_for == o.made_for;
+  }
 };
 struct LayerKeyHash {
   size_t operator()(const LayerKey& k) const {
-    return std::hash<int64_t>()(k.layer) * 31 + std::hash<const void*>()(k.weights);
+    return ((std::hash<int64_t>()(k.layer) * 31 + std::hash<const void*>()(k.weights)) * 31 + k.piece) * 31 + k.made_for;
   }
 };
 using LayerMap = std::unordered_map<LayerKey, std::shared_ptr<const Layer>, LayerKeyHash>;
@@ -369,9 +442,15 @@ void CheckTensor(const TensorView& t, int ndim, const char* what) {
   if (!t.IsContiguous()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: " << what << " must be contiguous";
 }
 
+// The plain layout of weights [O, C/groups, kh, kw] (oihw; goihw for a grouped conv).
+dnnl::memory::desc PlainWeights(const dims& w, int64_t groups) {
+  if (groups == 1) return dnnl::memory::desc(w, dt::f32, tag::oihw);
+  return dnnl::memory::desc(dims{groups, w[0] / groups, w[1], w[2], w[3]}, dt::f32, tag::goihw);
+}
+
 // The rows [o, o + O) of a conv's weights and bias: one piece of a merged conv (or all of it).
 struct Rows {
-  const float* w;  // [O, C/groups, kh, kw]
+  const float* w;  // [O, C/groups, kh, kw] plain; null where the call's weights are packed
   const float* b;  // [O]
   dims wdims;
 };
@@ -388,14 +467,16 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   layer->dst_block = dst_block;
   layer->pd = MakeDesc(x, rows.wdims, at, residual, dst_block);
   layer->prim = dnnl::convolution_forward(layer->pd);
-  // the weights, once, into the layout the primitive prefers
-  const dims& w = rows.wdims;
-  dims plain = at.groups == 1 ? w : dims{at.groups, w[0] / at.groups, w[1], w[2], w[3]};
-  dnnl::memory::desc user(plain, dt::f32, at.groups == 1 ? tag::oihw : tag::goihw);
-  layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
-  Reorder(user, layer->pd.weights_desc())(const_cast<float*>(rows.w), layer->weights.get_data_handle());
-  Stream().wait();
-  layer->fingerprint = fingerprint;
+  layer->weights_id = DescId(layer->pd.weights_desc());
+  layer->weights_size = layer->pd.weights_desc().get_size();
+  layer->packed = at.packed != 0;
+  if (!layer->packed) {  // plain weights: once, into the layout the primitive prefers
+    layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
+    Reorder(PlainWeights(rows.wdims, at.groups), layer->pd.weights_desc())(const_cast<float*>(rows.w),
+                                                                            layer->weights.get_data_handle());
+    Stream().wait();
+    layer->fingerprint = fingerprint;
+  }
   // plain activations: reorders into and out of the primitive's layout (buffers: per thread)
   const dnnl::memory::desc src_md = layer->pd.src_desc(), dst_md = layer->pd.dst_desc();
   layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
@@ -410,12 +491,21 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   return layer;
 }
 
+// The layer for piece `piece` of a call (rows.w: its plain weights, or null where the call's
+// weights are packed).
 std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs, bool residual,
-                                 int64_t dst_block) {
-  const int64_t wn = rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3];
-  const std::vector<float> fingerprint = Fingerprint(rows.w, wn);
+                                 int64_t dst_block, size_t piece) {
+  const bool packed = at.packed != 0;
+  std::vector<float> fingerprint;
+  if (!packed) fingerprint = Fingerprint(rows.w, rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3]);
   const std::vector<int64_t> values(attrs.begin(), attrs.end());
-  const LayerKey key{at.layer, rows.w};
+  Hasher made_for;
+  for (int64_t v : x) made_for.Add(v);
+  for (int64_t v : rows.wdims) made_for.Add(v);
+  for (int64_t v : values) made_for.Add(v);
+  made_for.Add(residual);
+  made_for.Add(dst_block);
+  const LayerKey key{at.layer, packed ? nullptr : static_cast<const void*>(rows.w), piece, made_for.h};
   {
     std::shared_lock<std::shared_mutex> lock(CacheMutex());
     auto it = Layers().find(key);
@@ -471,12 +561,9 @@ int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * blo
 
 View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
 
-// One conv (rows of a merged one, or all of it) from x into out. r: the residual (out's
-// shape), or null.
-void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& at, const Shape& attrs,
-             const float* r, const View& out, int64_t dst_block) {
-  const std::shared_ptr<const Layer> held = Get(x_dims, rows, at, attrs, r != nullptr, dst_block);
-  const Layer& layer = *held;
+// One conv (rows of a merged one, or all of it) from x into out, as `layer`; w: its packed
+// weights (null: the layer's own copy), b: its bias. r: the residual (out's shape), or null.
+void RunRows(const float* x, const Layer& layer, const float* w, const float* b, const float* r, const View& out) {
   for (int i = 0; i < 4; ++i) {
     if (out.shape[i] != layer.pd.dst_desc().dims()[i])
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
@@ -497,9 +584,11 @@ void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& 
     dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
     if (r && r != dst_ptr) std::memcpy(dst_ptr, r, sizeof(float) * out.numel());
   }
-  dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(rows.b));
+  dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(b));
+  // packed weights: the call's own tensor, wrapped where it lies (no copy)
+  dnnl::memory weights = layer.packed ? dnnl::memory(layer.pd.weights_desc(), Engine(), const_cast<float*>(w)) : layer.weights;
   Execute(layer.prim, layer.pd.scratchpad_desc(),
-          {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, layer.weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
+          {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
   if (layer.dst_reorder) layer.dst_out(dst.get_data_handle(), dst_ptr);
   Stream().wait();
 }
@@ -615,40 +704,149 @@ const float* RunPre(const Input& in, const dims& d, int64_t block) {
   return out;
 }
 
-// The conv of one call: the input (its prologue first), w, b [, r] into the views outs.
-void RunConv(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
-               const std::vector<View>& outs) {
-  dims x_dims = InputDims(in);
-  CheckTensor(w, 4, "weight");
-  CheckTensor(b, 1, "bias");
-  if (r) CheckTensor(*r, 4, "residual");
-  Attrs at = Attrs::From(attrs);
-  if (outs.empty()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: no output";
-  if (outs.size() > 1 && (r || at.groups != 1))
+// The pieces of one conv call: its input dims x (C from the weights where a blocked input holds
+// padded channels) and, per output view (its padded channels taken off), the weight dims of
+// its rows. `wd`: the call's weights [O, C/groups, kh, kw]; prologue: the input is a
+// concatenation with a prologue. Shapes only: the call (RunConv) and the compiler's packing
+// (PackedLayout) plan a call alike.
+std::vector<dims> PlanPieces(dims& x, bool prologue, const dims& wd, const Attrs& at, bool residual, std::vector<View>& views) {
+  if (views.empty()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: no output";
+  if (views.size() > 1 && (residual || at.groups != 1))
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: split outputs need a conv without residual and groups";
-  if (b.shape()[0] != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
-  const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];  // weights per output channel
   // Padded channels: a blocked tensor whose C is not a multiple of B has the type (and bytes)
   // [N, ceilB(C), H, W]; the conv's C and O come from the weights.
-  const int64_t C = w.shape()[1] * at.groups, O = w.shape()[0];
-  if (!in.sc && at.src_block && x_dims[1] != C && x_dims[1] == RoundUp(C, at.src_block)) x_dims[1] = C;
-  std::vector<View> views = outs;
+  const int64_t C = wd[1] * at.groups, O = wd[0];
+  if (!prologue && at.src_block && x[1] != C && x[1] == RoundUp(C, at.src_block)) x[1] = C;
   const int64_t dst0 = DstBlock(at.dst_block, 0);
   if (views.size() == 1 && dst0 && views[0].shape[1] != O && views[0].shape[1] == RoundUp(O, dst0)) {
     views[0].padded_c = views[0].shape[1];
     views[0].shape[1] = O;
   }
-  int64_t o = 0;  // output channels done
-  const float* xdata = in.sc ? RunPre(in, x_dims, at.src_block) : Data(in.pieces[0]);
-  for (size_t j = 0; j < views.size(); ++j) {
-    const int64_t Oj = views[j].shape[1];
-    if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
-    if (r && views[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
-    Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
-    RunRows(xdata, x_dims, rows, at, attrs, r ? Data(*r) : nullptr, views[j], DstBlock(at.dst_block, j));
+  std::vector<dims> pieces;
+  int64_t o = 0;  // output channels planned
+  for (const View& v : views) {
+    const int64_t Oj = v.shape[1];
+    if (Oj < 1 || o + Oj > O) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
+    pieces.push_back(dims{Oj, wd[1], wd[2], wd[3]});
     o += Oj;
   }
-  if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];
+  if (o != O) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << O;
+  return pieces;
+}
+
+// A call with packed weights: refuse, in one line, weights packed for another layout than the
+// one this machine's oneDNN chooses for the call (another CPU ISA: another blocking, or
+// Winograd where the compiling machine had it), or of another size.
+void CheckPacked(const std::vector<std::shared_ptr<const Layer>>& layers, const Attrs& at, const TensorView& w) {
+  std::vector<uint64_t> ids;
+  size_t bytes = 0;
+  for (const auto& l : layers) ids.push_back(l->weights_id), bytes += l->weights_size;
+  const int64_t here = PackedId(ids);
+  if (here != at.packed || bytes != sizeof(float) * static_cast<size_t>(w.numel()))
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: layer " << at.layer << ": its weights were packed at compile time for a oneDNN weights layout "
+                              << "(identity " << at.packed << ", " << sizeof(float) * w.numel() << " bytes) other than the one "
+                              << "oneDNN " << dnnl_version()->major << '.' << dnnl_version()->minor << " picks on this CPU (identity "
+                              << here << ", " << bytes << " bytes); the artifact runs on CPUs like the one it was compiled on - "
+                              << "compile it on this machine";
+}
+
+// The conv of one call: the input (its prologue first), w, b [, r] into the views outs. w: plain
+// [O, C/groups, kh, kw], or - attrs' `packed` - the packed bytes of its pieces' weights, one
+// after the other, each in its primitive's layout (1-d; the dims are in the attrs).
+void RunConv(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
+             const std::vector<View>& outs) {
+  dims x_dims = InputDims(in);
+  Attrs at = Attrs::From(attrs);
+  const bool packed = at.packed != 0;
+  CheckTensor(w, packed ? 1 : 4, packed ? "packed weight" : "weight");
+  CheckTensor(b, 1, "bias");
+  if (r) CheckTensor(*r, 4, "residual");
+  const dims wd = packed ? at.wdims : Dims(w.shape().data(), 4);
+  if (b.shape()[0] != wd[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
+  std::vector<View> views = outs;
+  const std::vector<dims> pieces = PlanPieces(x_dims, in.sc != nullptr, wd, at, r != nullptr, views);
+  const int64_t row = wd[1] * wd[2] * wd[3];  // weights per output channel
+  std::vector<std::shared_ptr<const Layer>> layers;
+  int64_t o = 0;
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    if (r && views[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
+    const Rows rows{packed ? nullptr : Data(w) + o * row, Data(b) + o, pieces[j]};
+    layers.push_back(Get(x_dims, rows, at, attrs, r != nullptr, DstBlock(at.dst_block, j), j));
+    o += pieces[j][0];
+  }
+  if (packed) CheckPacked(layers, at, w);
+  const float* xdata = in.sc ? RunPre(in, x_dims, at.src_block) : Data(in.pieces[0]);
+  o = 0;
+  size_t offset = 0;  // packed: bytes of the pieces before
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    const float* wj = packed ? reinterpret_cast<const float*>(reinterpret_cast<const char*>(Data(w)) + offset) : nullptr;
+    RunRows(xdata, *layers[j], wj, Data(b) + o, r ? Data(*r) : nullptr, views[j]);
+    offset += layers[j]->weights_size;
+    o += pieces[j][0];
+  }
+}
+
+// The weights layout the call conv(x, w, attrs [, residual]) -> outputs of out_channels each
+// gets on this machine, asked by the compiler to pack the call's weights (PackWeights): its
+// packed identity (attrs' `packed`) and bytes. x: the conv's input dims (a prologue's pieces:
+// their concatenation's); prologue, residual: whether the call has them; attrs with packed 0.
+struct Packing {
+  dims x;
+  Attrs at;
+  std::vector<dims> pieces;
+  std::vector<dnnl::convolution_forward::primitive_desc> pds;
+};
+
+Packing PlanPacking(const Shape& x, bool prologue, const Shape& w, const Shape& attrs, bool residual, const Shape& out_channels) {
+  if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
+  Packing p{Dims(x.data(), 4), Attrs::From(attrs), {}, {}};
+  if (p.at.packed) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: these weights are packed already";
+  std::vector<View> views;
+  for (int64_t c : out_channels) views.push_back(View{nullptr, dims{x[0], c, 1, 1}});
+  p.pieces = PlanPieces(p.x, prologue, Dims(w.data(), 4), p.at, residual, views);
+  for (size_t j = 0; j < p.pieces.size(); ++j)
+    p.pds.push_back(MakeDesc(p.x, p.pieces[j], p.at, residual, DstBlock(p.at.dst_block, j)));
+  return p;
+}
+
+tvm::ffi::Array<int64_t> PackedLayout(Shape x, bool prologue, Shape w, Shape attrs, bool residual, Shape out_channels) {
+  try {
+    const Packing p = PlanPacking(x, prologue, w, attrs, residual, out_channels);
+    std::vector<uint64_t> ids;
+    int64_t bytes = 0;
+    for (const auto& pd : p.pds) ids.push_back(DescId(pd.weights_desc())), bytes += pd.weights_desc().get_size();
+    return tvm::ffi::Array<int64_t>{PackedId(ids), bytes};
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+// out (1-d float32, PackedLayout's bytes) = the plain weights w [O, C/groups, kh, kw] of that
+// call, each piece's rows reordered into its primitive's layout, one piece after the other.
+void PackWeights(Shape x, bool prologue, TensorView w, Shape attrs, bool residual, Shape out_channels, TensorView out) {
+  CheckTensor(w, 4, "weight");
+  CheckTensor(out, 1, "packed weight");
+  try {
+    const Packing p = PlanPacking(x, prologue, w.shape(), attrs, residual, out_channels);
+    size_t bytes = 0;
+    for (const auto& pd : p.pds) bytes += pd.weights_desc().get_size();
+    if (bytes != sizeof(float) * static_cast<size_t>(out.numel()))
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pack_weights: the packed weights take " << bytes << " bytes, out has "
+                                << sizeof(float) * out.numel();
+    const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];
+    char* dst = reinterpret_cast<char*>(const_cast<float*>(Data(out)));
+    std::memset(dst, 0, bytes);  // padding of blocked layouts: zeros, as oneDNN's reorder leaves them
+    int64_t o = 0;
+    for (size_t j = 0; j < p.pds.size(); ++j) {
+      const dnnl::memory::desc md = p.pds[j].weights_desc();
+      Reorder(PlainWeights(p.pieces[j], p.at.groups), md)(const_cast<float*>(Data(w)) + o * row, dst);
+      Stream().wait();
+      dst += md.get_size();
+      o += p.pieces[j][0];
+    }
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
 }
 
 void Run(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
@@ -747,7 +945,12 @@ void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
         TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: member of kind " << kind << " with " << n << " arguments";
       if (a + n > args.size() - 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: spec does not match the arguments";
       auto t = [&](int i) { return args[a + i].cast<TensorView>(); };
-      const int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? n - 3 : 1).shape()[0];
+      // a conv member's channels: its weights' rows (the attrs say them where the weights are packed)
+      int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? n - 3 : 1).shape()[0];
+      if (kind != 0) {
+        const Attrs at = Attrs::From(args[a + n - 1].cast<Shape>());
+        if (at.packed) Cj = at.wdims[0];
+      }
       if (offset < 0 || offset + Cj > C || (block && (offset % block || Cj % block)))
         TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: piece does not fit the output";
       View view{base + offset * H * W, dims{1, Cj, H, W}};
@@ -1113,4 +1316,6 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.abi_version", Function::FromTyped(layerfuse_onednn::AbiVersion), true);
   Function::SetGlobal("layerfuse.onednn.release", Function::FromTyped(layerfuse_onednn::ReleaseLayers), true);
   Function::SetGlobal("layerfuse.onednn.block_width", Function::FromTyped(layerfuse_onednn::BlockWidth), true);
+  Function::SetGlobal("layerfuse.onednn.packed_layout", Function::FromTyped(layerfuse_onednn::PackedLayout), true);
+  Function::SetGlobal("layerfuse.onednn.pack_weights", Function::FromTyped(layerfuse_onednn::PackWeights), true);
 }
