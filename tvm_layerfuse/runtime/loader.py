@@ -89,6 +89,11 @@ def _load_cuda_runtime(tvm) -> None:
         ) from None
 
 
+# how the oneDNN tactic library refuses a call whose weights were packed for a layout that this
+# machine's oneDNN does not pick (onednn_conv.cc, CheckPacked: another CPU ISA)
+PACKED_ELSEWHERE = "its weights were packed at compile time for a oneDNN weights layout"
+
+
 class Runtime:
     """A loaded artifact: inputs/outputs metadata and :meth:`run`."""
 
@@ -153,6 +158,8 @@ class Runtime:
         try:
             result = self._vm()["main"](*args)
         except (ValueError, TypeError) as e:
+            if PACKED_ELSEWHERE in str(e):  # a tactic library's call: weights packed for another CPU's layout
+                raise ArtifactError(f"artifact {str(self.path)!r} cannot run on this CPU: {first_line(e, limit=500)}") from None
             # The inputs fit the manifest, so the library refused the weights (or the manifest):
             # the artifact's files do not belong together.
             raise ArtifactError(

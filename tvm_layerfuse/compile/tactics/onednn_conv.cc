@@ -18,9 +18,11 @@
 //       channel range of a scratch buffer in x's layout (see RunPre), so the concatenation is
 //       never written; k is found from attrs, the first Shape argument
 //
-//   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
+//   x [N, C, H, W], w [O, C/groups, kh, kw] (or packed, see Weights), b [O], r and out
+//   [N, O, OH, OW], float32, NCHW.
 //   attrs: enum ConvField below (abi.ConvAttrs): strides, paddings (top, left, bottom, right),
-//   dilations, groups, act, src_block, dst_block, alpha, beta, algorithm, layer; act: enum
+//   dilations, groups, act, src_block, dst_block, alpha, beta, algorithm, layer, packed and the
+//   weight dims (O, C/groups, kh, kw; packed weights only, see Weights); act: enum
 //   Activation (abi.ACTIVATIONS), its post-ops in kActivations: relu (alpha: negative slope,
 //   i.e. LeakyRelu), clip [alpha, beta], silu, sigmoid, hardswish, hardsigmoid (alpha * x +
 //   beta clipped to [0, 1]), gelu (erf or tanh); alpha and beta are the bits of a float32;
@@ -45,11 +47,27 @@
 // oneDNN's JIT kernels run with their post-ops fused) in buffers kept with the layer; a
 // blocked one is used in place, so consecutive convs run with no reorder between them.
 //
-// A primitive is created once per (shapes, attributes, weight tensor) and kept; its weights
-// are reordered once into the layout the primitive prefers (blocked, e.g. OIhw16i16o) when
-// the layer first runs, never per inference. A fingerprint of the weight tensor (a few
-// sampled values) is compared on every call, so new weights at the same address are
-// reordered again instead of being used stale.
+// Weights. A compiled model's conv calls pass their weights packed (attrs' `packed` != 0): a
+// 1-d tensor, the model's own parameter, holding each piece's weights already in the layout
+// its primitive picks on the machine that compiled the model (blocked, e.g. OIhw8i8o, or
+// Winograd's opaque layout), one piece after the other (a merged conv's pieces: its row
+// ranges), the weight dims in the attrs. The compiler asks this library for those bytes
+// (packed_layout, pack_weights: each piece's primitive made exactly as the call makes it).
+// A call makes (once, then kept per layer id, piece and shapes) its primitives, checks that
+// the identity of their weights layouts (DescId: the fields of each dnnl_memory_desc_t) and
+// their size are the recorded ones, and runs on the tensor where it lies: no copy of the
+// weights, nothing kept per weight address. Another layout here (another CPU ISA) is refused
+// in one line (CheckPacked), never run on bytes it would misread.
+// Plain weights (w [O, C/groups, kh, kw]: calls made by hand, the compiler's timings) are
+// still taken: a primitive is made per (shapes, attributes, weight tensor) and kept with its
+// weights reordered once into its layout; a fingerprint of the weight tensor (a few sampled
+// values) is compared on every call, so new weights at the same address are reordered again.
+//
+//   layerfuse.onednn.packed_layout(x_shape, prologue, w_shape, attrs, residual, out_channels)
+//       -> [identity, bytes]: the packed weights of that call (attrs with packed 0; x_shape:
+//       the conv's input, a prologue's pieces concatenated; out_channels: each output's)
+//   layerfuse.onednn.pack_weights(x_shape, prologue, w, attrs, residual, out_channels, out)
+//       out (1-d float32 of those bytes) = w packed
 //
 //   layerfuse.onednn.to_blocked  (x, (B,), out)  out = x in nChwBc (see Layouts)
 //   layerfuse.onednn.concat      (x_1, ..., x_k, out)   channel concat: per image, piece i is
@@ -734,6 +752,9 @@ std::vector<dims> PlanPieces(dims& x, bool prologue, const dims& wd, const Attrs
   return pieces;
 }
 
+// the words the loader (runtime/loader.py) recognises this refusal by
+constexpr const char* kPackedElsewhere = "its weights were packed at compile time for a oneDNN weights layout";
+
 // A call with packed weights: refuse, in one line, weights packed for another layout than the
 // one this machine's oneDNN chooses for the call (another CPU ISA: another blocking, or
 // Winograd where the compiling machine had it), or of another size.
@@ -743,11 +764,10 @@ void CheckPacked(const std::vector<std::shared_ptr<const Layer>>& layers, const 
   for (const auto& l : layers) ids.push_back(l->weights_id), bytes += l->weights_size;
   const int64_t here = PackedId(ids);
   if (here != at.packed || bytes != sizeof(float) * static_cast<size_t>(w.numel()))
-    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: layer " << at.layer << ": its weights were packed at compile time for a oneDNN weights layout "
-                              << "(identity " << at.packed << ", " << sizeof(float) * w.numel() << " bytes) other than the one "
-                              << "oneDNN " << dnnl_version()->major << '.' << dnnl_version()->minor << " picks on this CPU (identity "
-                              << here << ", " << bytes << " bytes); the artifact runs on CPUs like the one it was compiled on - "
-                              << "compile it on this machine";
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: layer " << at.layer << ": " << kPackedElsewhere << " (identity " << at.packed
+                              << ", " << sizeof(float) * w.numel() << " bytes) that oneDNN " << dnnl_version()->major << '.'
+                              << dnnl_version()->minor << " does not pick on this CPU (identity " << here << ", " << bytes
+                              << " bytes): compile it on this machine";
 }
 
 // The conv of one call: the input (its prologue first), w, b [, r] into the views outs. w: plain

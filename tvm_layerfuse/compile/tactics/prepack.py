@@ -51,6 +51,7 @@ class PackReport:
     plain_bytes: int = 0  # the packed weights' size as plain tensors
     packed_bytes: int = 0  # and packed (blocked layouts pad channels to the block)
     kept: list = field(default_factory=list)  # (call, reason)
+    layouts: list = field(default_factory=list)  # (call, layer id, the layout's identity, packed bytes)
 
     def to_dict(self) -> dict:
         return {
@@ -58,6 +59,7 @@ class PackReport:
             "plain_bytes": self.plain_bytes,
             "packed_bytes": self.packed_bytes,
             "kept_plain": [{"call": c, "reason": r} for c, r in self.kept],
+            "layouts": [{"call": c, "layer": layer, "identity": i, "bytes": n} for c, layer, i, n in self.layouts],
         }
 
 
@@ -79,7 +81,7 @@ def prepack_weights(mod: tvm.IRModule, weights: Sequence[np.ndarray]) -> tuple[t
         v = b.value
         bound = abi.parse_call(v)
         if bound is not None and bound.call in abi.CONVS:
-            new = packer.pack(b.var.name, bound, _out_channels(v))
+            new = packer.pack(b.var.name, bound, _out_channels(b.var))
             if new is not None:
                 chosen[v] = _dps(v, new)
         elif bound is not None and bound.call is abi.CONCAT_CONVS:
@@ -93,9 +95,9 @@ def prepack_weights(mod: tvm.IRModule, weights: Sequence[np.ndarray]) -> tuple[t
                 chosen[v] = _dps(v, abi.Bound(bound.call, args, bound.attrs))
         elif bound is not None and bound.call is abi.DENSE:
             packer.report.kept.append((b.var.name, "dense: its weights stay plain (the library reorders one copy)"))
-        elif op_name(v) == "relax.call_tir_inplace" and v.args[0].name_hint.startswith(abi.INPLACE_WRAPPER):
-            gv = v.args[0]
-            inner = abi.bind(abi.CONV2D_ADD_INPLACE, list(v.args[1].fields))
+        elif op_name(v) == "relax.call_tir_inplace" and _callee(v).name_hint.startswith(abi.INPLACE_WRAPPER):
+            gv, tensors = v.args
+            inner = abi.bind(abi.CONV2D_ADD_INPLACE, list(tensors.fields))
             inner = abi.Bound(inner.call, inner.args, inplace_attrs(mod[gv]))
             new = packer.pack(b.var.name, inner, [int(static_shape(inner.args.residual)[1])])
             if new is not None:
@@ -119,15 +121,21 @@ def prepack_weights(mod: tvm.IRModule, weights: Sequence[np.ndarray]) -> tuple[t
     return mod, out, r
 
 
-def inplace_attrs(wrapper: tvm.tirx.PrimFunc) -> abi.ConvAttrs:
-    """The conv attrs a residual-in-place TIR wrapper passes (its integer arguments)."""
+def inplace_attrs(wrapper) -> abi.ConvAttrs:
+    """The conv attrs a residual-in-place TIR wrapper (``onednn_inplace._inplace_wrapper``)
+    passes: the integer arguments of its one ``call_packed``."""
     found: list = []
 
-    def visit(node):
-        if isinstance(node, tvm.tirx.Call) and len(node.args) and str(getattr(node.args[0], "value", "")) == abi.CONV2D_ADD_INPLACE.name:
-            found.append([int(a.value) for a in node.args[1 + len(abi.CONV2D_ADD_INPLACE.roles) :]])
+    def visit(node) -> None:  # the statements of the wrapper: nested bodies, sequences, Evaluate(call)
+        for child in ([node.body] if hasattr(node, "body") else []) + list(getattr(node, "seq", [])):
+            visit(child)
+        call = getattr(node, "value", None)
+        if isinstance(call, tvm.ir.expr.Call) and len(call.args):
+            name, *operands = call.args  # call_packed(name, x, w, b, r, attrs...)
+            if str(getattr(name, "value", "")) == abi.CONV2D_ADD_INPLACE.name:
+                found.append([int(a.value) for a in operands[len(abi.CONV2D_ADD_INPLACE.roles) :]])
 
-    tvm.tirx.stmt_functor.post_order_visit(wrapper.body, visit)
+    visit(wrapper.body)
     if len(found) != 1:
         raise abi.AbiError(f"a residual-in-place wrapper calls {abi.CONV2D_ADD_INPLACE.name} {len(found)} times, not once")
     return abi.ConvAttrs.from_shape(found[0])
@@ -167,18 +175,25 @@ class _Packer:
         self.report.packed += 1
         self.report.plain_bytes += value.nbytes
         self.report.packed_bytes += packed.nbytes
+        self.report.layouts.append((name, int(bound.attrs.layer), int(identity), int(packed.nbytes)))
         return bound.replace(weight=new, attrs=bound.attrs.packed_as(identity, value.shape))
 
 
-def _out_channels(call: relax.Call) -> Optional[list]:
-    ty = call.ty_args[0] if call.ty_args else call.ty
+def _out_channels(var: relax.Var) -> Optional[list]:
+    """The channels of each output of the call bound to ``var``."""
+    ty = var.ty
     types = list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
     shapes = [static_shape(relax.Var("t", t)) for t in types]
     return None if any(s is None for s in shapes) else [int(s[1]) for s in shapes]
 
 
+def _callee(call: relax.Call):
+    callee, _ = call.args
+    return callee
+
+
 def _dps(call: relax.Call, new: abi.Bound):
-    func = call.args[0]
+    func = _callee(call)
     return lambda visit: relax.Call(call.op, [func, relax.Tuple([visit(a) for a in new.flat()])], call.attrs, call.ty_args)
 
 
