@@ -5,9 +5,8 @@ compile time in their primitives' layouts (compile/tactics/prepack.py), used whe
   one conv, a merged conv's split pieces, a grouped conv and a residual; a call whose recorded
   layout identity is not the one its primitive picks is refused in one line;
 * whole artifacts, loaded by the TVM runtime alone: every conv form (split pieces, the members
-  of an in-place concat, a residual in place, a depthwise conv, a prologue reading pieces)
-  reads packed weights and the outputs equal onnxruntime's; only the classifier (dense) keeps
-  plain weights;
+  of an in-place concat, a residual in place, a depthwise conv, a prologue reading pieces) and
+  the classifier (dense) read packed weights, and the outputs equal onnxruntime's;
 * an artifact whose recorded identity is not what this machine's oneDNN picks (as on a CPU of
   another ISA) refuses to run, in one line, and the original still runs.
 
@@ -108,6 +107,29 @@ def test_packed_weights_give_what_plain_weights_give(case):
         assert rel_err(q, p) <= 1e-6
 
 
+def _dense(*, packed: bool, identity_delta: int = 0) -> np.ndarray:
+    import tvm_ffi
+
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 48)).astype(np.float32)
+    w = rng.standard_normal((48, 20)).astype(np.float32)
+    b = rng.standard_normal(20).astype(np.float32)
+    attrs, weight = abi.DenseAttrs(), _tensor(w)
+    if packed:
+        identity, data = onednn.pack_dense_weights(2, w)
+        attrs, weight = abi.DenseAttrs(packed=identity + identity_delta, k=48, m=20), _tensor(data)
+    out = _tensor(np.zeros((2, 20), np.float32))
+    _conv("dense", [_tensor(x), weight, _tensor(b), tvm_ffi.Shape(attrs.values()), out])
+    return out.numpy()
+
+
+def test_packed_dense_weights_give_what_plain_weights_give_and_another_layout_is_refused():
+    plain = _dense(packed=False)
+    assert np.abs(plain).max() > 1e-3 and rel_err(_dense(packed=True), plain) <= 1e-6
+    with pytest.raises(ValueError, match="the dense layer: its weights were packed at compile time"):
+        _dense(packed=True, identity_delta=2)
+
+
 def test_packed_weights_of_another_layout_are_refused_in_one_line():
     _run("split pieces", packed=True)  # the same call, right identity: runs
     with pytest.raises(ValueError) as e:
@@ -170,9 +192,10 @@ def test_every_conv_form_reads_packed_weights_and_matches_onnxruntime(artifacts,
         assert any("," in s for s in layouts), layouts  # a merged conv writing split pieces
     assert "read by prologues" in kinds, kinds
     assert packing["packed_calls"] >= 5 and len(packing["layouts"]) == packing["packed_calls"], packing
-    assert [k["reason"].startswith("dense") for k in packing["kept_plain"]] == [True], packing["kept_plain"]
-    with np.load(path / "params.npz") as params:  # no plain conv weights left in the artifact
-        assert not [k for k in params.files if params[k].ndim == 4], {k: params[k].shape for k in params.files}
+    assert packing["kept_plain"] == [], packing["kept_plain"]
+    assert [c["layer"] for c in packing["layouts"]].count(-1) == 1, packing["layouts"]  # the classifier (dense)
+    with np.load(path / "params.npz") as params:  # no plain conv or dense weights left in the artifact
+        assert not [k for k in params.files if params[k].ndim > 1], {k: params[k].shape for k in params.files}
     feeds = random_inputs(model, 5)
     (want,) = run_onnxruntime(model, feeds)
     assert np.abs(want).max() > 1e-3, "dead output"

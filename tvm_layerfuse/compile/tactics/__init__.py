@@ -151,6 +151,14 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
     if info.get("note"):
         head += f"; {info['note']}"
     lines = [head]
+    packing = info.get("packed_weights")
+    if packing:
+        kept = packing.get("kept_plain") or []
+        lines.append(
+            f"  weights: {packing.get('packed_calls', 0)} conv calls read theirs packed in their oneDNN layouts "
+            f"({packing.get('packed_bytes', 0) / 2**20:.1f} MiB), {len(kept)} calls plain"
+            + (f" ({'; '.join(sorted({k['reason'] for k in kept}))})" if kept else "")
+        )
     counts = info.get("counts") or {}
     if counts:
         lines.append("  " + ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))

@@ -32,7 +32,7 @@ to_blocked              input, attrs                                    -> out
 concat                  inputs*                                         -> out
 concat_convs            spec, members* (each member: its call's own arguments)  -> out
 pool2d                  input, attrs                                    -> out
-dense                   input, weight, bias                             -> out
+dense                   input, weight, bias, attrs (DenseAttrs)         -> out
 ======================  =====================================================================
 """
 
@@ -45,7 +45,7 @@ from typing import Any, Optional, Sequence
 
 ABI_VERSION = 4  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
 # 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,);
-# 4: a conv's weights may come packed (ConvAttrs.packed and the weight dims)
+# 4: a conv's weights may come packed (ConvAttrs.packed and the weight dims); dense takes attrs (DenseAttrs)
 
 NAMESPACE = "layerfuse.onednn."
 BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
@@ -263,6 +263,20 @@ class ToBlockedAttrs(_Record):
         _check_width("to_blocked's block", self.block)
 
 
+@dataclass(frozen=True)
+class DenseAttrs(_Record):
+    """``dense``'s attrs: ``packed`` 0 for plain weights ``[K, M]``; else the identity of the
+    layout its oneDNN matmul picks, the weights coming packed in it (1-d), ``k`` and ``m`` their dims."""
+
+    packed: int = 0
+    k: int = 0
+    m: int = 0
+
+    def check(self) -> None:
+        if self.packed < 0 or (self.packed and min(self.k, self.m) < 1):
+            raise AbiError(f"packed dense attrs need an identity > 0 and k, m >= 1: {self}")
+
+
 # members of concat_convs: how each piece of the block is made
 COPY, CONV, CONV_PRE, CONV_ADD = 0, 1, 2, 3
 
@@ -405,7 +419,7 @@ TO_BLOCKED = LibraryCall("to_blocked", ("input", "attrs"), ToBlockedAttrs, ("nch
 CONCAT = LibraryCall("concat", ("inputs*",), None, _EITHER, _EITHER)
 CONCAT_CONVS = LibraryCall("concat_convs", ("attrs", "members*"), ConcatSpec, _EITHER, _EITHER)
 POOL2D = LibraryCall("pool2d", ("input", "attrs"), PoolAttrs, _EITHER, _EITHER)
-DENSE = LibraryCall("dense", ("input", "weight", "bias"))
+DENSE = LibraryCall("dense", ("input", "weight", "bias", "attrs"), DenseAttrs)
 
 CALLS: dict[str, LibraryCall] = {
     c.name: c for c in (CONV2D, CONV2D_ADD, CONV2D_PRE, CONV2D_ADD_INPLACE, TO_BLOCKED, CONCAT, CONCAT_CONVS, POOL2D, DENSE)
@@ -603,6 +617,7 @@ def records() -> dict[str, tuple[str, tuple[str, ...]]]:
         "ConvField": ("", ConvAttrs.names()),
         "PoolField": ("", PoolAttrs.names()),
         "ToBlockedField": ("", ToBlockedAttrs.names()),
+        "DenseField": ("dense_", DenseAttrs.names()),
         "MemberField": ("", ConcatSpec.FIELDS),
         "Activation": ("", tuple(ACTIVATIONS)),
         "Conv2dArg": ("conv2d_", CONV2D.roles),
@@ -656,6 +671,7 @@ __all__ = [
     "ConcatSpec",
     "ConvAttrs",
     "DENSE",
+    "DenseAttrs",
     "LibraryCall",
     "LibraryWrites",
     "Member",

@@ -318,3 +318,20 @@ def pack_weights(
         shapes[0], bool(prologue), w, shapes[2], bool(residual), shapes[3], out
     )
     return int(identity), out.numpy()
+
+
+def pack_dense_weights(n: int, weight) -> tuple[int, np.ndarray]:
+    """``weight`` (plain ``[K, M]``) packed for ``dense`` with an input of ``n`` rows, as this
+    machine's oneDNN matmul lays it out: (the layout's identity for
+    :attr:`.abi.DenseAttrs.packed`, the packed bytes as 1-d float32)."""
+    import tvm
+    import tvm_ffi
+
+    load()
+    k, m = (int(d) for d in weight.shape)
+    nkm = tvm_ffi.Shape([int(n), k, m])
+    identity, nbytes = tvm_ffi.get_global_func("layerfuse.onednn.dense_packed_layout")(nkm)
+    out = tvm.runtime.empty((int(nbytes) // 4,), "float32", tvm.cpu())
+    w = tvm.runtime.tensor(np.ascontiguousarray(weight, dtype=np.float32))
+    tvm_ffi.get_global_func("layerfuse.onednn.dense_pack_weights")(nkm, w, out)
+    return int(identity), out.numpy()

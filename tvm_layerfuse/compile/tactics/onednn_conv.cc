@@ -76,7 +76,11 @@
 //   layerfuse.onednn.concat_convs (spec, a_1, ..., a_m, out)   a concat (batch 1) whose pieces
 //       are convs (and copies) writing their channel ranges of out directly (see ConcatConvs;
 //       spec: abi.ConcatSpec, each member with its kind, offset and argument count)
-//   layerfuse.onednn.dense       (x, w, b, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
+//   layerfuse.onednn.dense       (x, w, b, attrs, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
+//       attrs: enum DenseField (abi.DenseAttrs: packed, K, M): packed 0, w plain [K, M]; else w
+//       comes packed (1-d) in the layout of the identity `packed`, as a conv's (see Weights)
+//   layerfuse.onednn.dense_packed_layout((N, K, M)) -> [identity, bytes]
+//   layerfuse.onednn.dense_pack_weights((N, K, M), w, out)   out = w [K, M] packed
 //   layerfuse.onednn.pool2d      (x, attrs, out)
 //       attrs: enum PoolField (abi.PoolAttrs: alg, kernel, strides, paddings, block); alg: 0 max,
 //       1 average counting the padding, 2 average over the input
@@ -113,6 +117,7 @@
 #include <shared_mutex>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -158,6 +163,8 @@ enum PoolField : int {
 };
 // ToBlockedAttrs: to_blocked's attrs
 enum ToBlockedField : int { kBlock, kToBlockedFieldCount };
+// DenseAttrs: dense's attrs
+enum DenseField : int { kDensePacked, kDenseK, kDenseM, kDenseFieldCount };
 // ConcatSpec: (block, then per member these fields)
 enum MemberField : int { kKind, kOffset, kNargs, kMemberFieldCount };
 // the arguments of conv2d (abi.CONV2D.roles; its outputs follow) and of conv2d_add_inplace
@@ -1060,9 +1067,10 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
 }
 
 // out = x @ w + b (the classifier: Gemm / Linear), x [N, K], w [K, M], b [M], out [N, M], as a
-// oneDNN matmul primitive made once per shape.
-// The weights are reordered once into the layout the primitive prefers (packed for its
-// brgemm kernel), checked by fingerprint like a conv's.
+// oneDNN matmul primitive made once per shape. Packed weights (attrs' packed != 0: the
+// compiled model's) are used where they lie, their layout's identity checked as a conv's;
+// plain ones are reordered once into the layout the primitive prefers, checked by
+// fingerprint like a conv's.
 dnnl::matmul::primitive_desc DenseDesc(int64_t N, int64_t K, int64_t M) {
   dnnl::memory::desc src({N, K}, dt::f32, tag::ab), wei({K, M}, dt::f32, tag::any), bias({1, M}, dt::f32, tag::ab),
       dst({N, M}, dt::f32, tag::ab);
@@ -1073,7 +1081,7 @@ struct DensePrim {
   int64_t N, K, M;
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
-  dnnl::memory weights;  // in pd.weights_desc(), owned
+  dnnl::memory weights;  // plain weights only: in pd.weights_desc(), owned
   std::vector<float> fingerprint;
 };
 
@@ -1082,8 +1090,9 @@ std::shared_mutex& DenseMutex() {
   return *mu;
 }
 
-std::unordered_map<const void*, std::shared_ptr<const DensePrim>>& DensePrims() {
-  static auto* prims = new std::unordered_map<const void*, std::shared_ptr<const DensePrim>>();
+// plain weights: by their address; packed ones: by (N, K, M) under the null address (shared)
+std::map<std::tuple<const void*, int64_t, int64_t, int64_t>, std::shared_ptr<const DensePrim>>& DensePrims() {
+  static auto* prims = new std::map<std::tuple<const void*, int64_t, int64_t, int64_t>, std::shared_ptr<const DensePrim>>();
   return *prims;
 }
 
@@ -1092,41 +1101,85 @@ void ReleaseDense() {
   DensePrims().clear();
 }
 
-void Dense(TensorView x, TensorView w, TensorView b, TensorView out) {
+void Dense(TensorView x, TensorView w, TensorView b, Shape attrs, TensorView out) {
   CheckTensor(x, 2, "input");
-  CheckTensor(w, 2, "weight");
   CheckTensor(out, 2, "output");
-  const int64_t N = x.shape()[0], K = x.shape()[1], M = w.shape()[1];
-  if (w.shape()[0] != K || b.numel() != M || out.shape()[0] != N || out.shape()[1] != M)
+  if (attrs.size() != kDenseFieldCount)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: attrs must have " << kDenseFieldCount << " entries, got " << attrs.size();
+  const int64_t packed = attrs[kDensePacked];
+  if (packed < 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: the packed identity must be >= 0";
+  CheckTensor(w, packed ? 1 : 2, packed ? "packed weight" : "weight");
+  const int64_t N = x.shape()[0], K = x.shape()[1], M = packed ? attrs[kDenseM] : w.shape()[1];
+  if ((packed ? attrs[kDenseK] : w.shape()[0]) != K || b.numel() != M || out.shape()[0] != N || out.shape()[1] != M)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: shapes do not agree";
   try {
-    const std::vector<float> fingerprint = Fingerprint(Data(w), K * M);
+    std::vector<float> fingerprint;
+    if (!packed) fingerprint = Fingerprint(Data(w), K * M);
+    const auto key = std::make_tuple(packed ? nullptr : static_cast<const void*>(Data(w)), N, K, M);
     std::shared_ptr<const DensePrim> p;
     {
       std::shared_lock<std::shared_mutex> lock(DenseMutex());
-      auto it = DensePrims().find(Data(w));
-      if (it != DensePrims().end() && it->second->N == N && it->second->K == K && it->second->M == M &&
-          it->second->fingerprint == fingerprint)
-        p = it->second;
+      auto it = DensePrims().find(key);
+      if (it != DensePrims().end() && it->second->fingerprint == fingerprint) p = it->second;
     }
-    if (!p) {  // made without the lock held; the weights reordered once into the primitive's layout
+    if (!p) {  // made without the lock held; plain weights reordered once into the primitive's layout
       auto made = std::make_shared<DensePrim>();
       made->N = N, made->K = K, made->M = M;
       made->pd = DenseDesc(N, K, M);
       made->prim = dnnl::matmul(made->pd);
-      made->weights = dnnl::memory(made->pd.weights_desc(), Engine());
-      Reorder(dnnl::memory::desc({K, M}, dt::f32, tag::ab), made->pd.weights_desc())(const_cast<float*>(Data(w)),
-                                                                                      made->weights.get_data_handle());
-      Stream().wait();
-      made->fingerprint = fingerprint;
+      if (!packed) {
+        made->weights = dnnl::memory(made->pd.weights_desc(), Engine());
+        Reorder(dnnl::memory::desc({K, M}, dt::f32, tag::ab), made->pd.weights_desc())(const_cast<float*>(Data(w)),
+                                                                                        made->weights.get_data_handle());
+        Stream().wait();
+        made->fingerprint = fingerprint;
+      }
       std::unique_lock<std::shared_mutex> lock(DenseMutex());
-      p = DensePrims()[Data(w)] = made;
+      p = DensePrims()[key] = made;
+    }
+    dnnl::memory weights = p->weights;
+    if (packed) {
+      const dnnl::memory::desc md = p->pd.weights_desc();
+      const int64_t here = PackedId({DescId(md)});
+      if (here != packed || md.get_size() != sizeof(float) * static_cast<size_t>(w.numel()))
+        TVM_FFI_THROW(ValueError) << "layerfuse.onednn: the dense layer: " << kPackedElsewhere << " (identity " << packed << ", "
+                                  << sizeof(float) * w.numel() << " bytes) that oneDNN does not pick on this CPU (identity " << here
+                                  << ", " << md.get_size() << " bytes): compile it on this machine";
+      weights = dnnl::memory(md, Engine(), const_cast<float*>(Data(w)));
     }
     Execute(p->prim, p->pd.scratchpad_desc(),
             {{DNNL_ARG_SRC, dnnl::memory(p->pd.src_desc(), Engine(), const_cast<float*>(Data(x)))},
-             {DNNL_ARG_WEIGHTS, p->weights},
+             {DNNL_ARG_WEIGHTS, weights},
              {DNNL_ARG_BIAS, dnnl::memory(p->pd.bias_desc(), Engine(), const_cast<float*>(Data(b)))},
              {DNNL_ARG_DST, dnnl::memory(p->pd.dst_desc(), Engine(), const_cast<float*>(Data(out)))}});
+    Stream().wait();
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+tvm::ffi::Array<int64_t> DensePackedLayout(Shape nkm) {
+  if (nkm.size() != 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: (N, K, M) expected";
+  try {
+    const dnnl::memory::desc md = DenseDesc(nkm[0], nkm[1], nkm[2]).weights_desc();
+    return tvm::ffi::Array<int64_t>{PackedId({DescId(md)}), static_cast<int64_t>(md.get_size())};
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+void DensePackWeights(Shape nkm, TensorView w, TensorView out) {
+  if (nkm.size() != 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: (N, K, M) expected";
+  CheckTensor(w, 2, "weight");
+  CheckTensor(out, 1, "packed weight");
+  const int64_t K = nkm[1], M = nkm[2];
+  if (w.shape()[0] != K || w.shape()[1] != M) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense_pack_weights: w is not [K, M]";
+  try {
+    const dnnl::memory::desc md = DenseDesc(nkm[0], K, M).weights_desc();
+    if (md.get_size() != sizeof(float) * static_cast<size_t>(out.numel()))
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense_pack_weights: out has the wrong size";
+    std::memset(const_cast<float*>(Data(out)), 0, md.get_size());
+    Reorder(dnnl::memory::desc({K, M}, dt::f32, tag::ab), md)(const_cast<float*>(Data(w)), const_cast<float*>(Data(out)));
     Stream().wait();
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
@@ -1338,4 +1391,6 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.block_width", Function::FromTyped(layerfuse_onednn::BlockWidth), true);
   Function::SetGlobal("layerfuse.onednn.packed_layout", Function::FromTyped(layerfuse_onednn::PackedLayout), true);
   Function::SetGlobal("layerfuse.onednn.pack_weights", Function::FromTyped(layerfuse_onednn::PackWeights), true);
+  Function::SetGlobal("layerfuse.onednn.dense_packed_layout", Function::FromTyped(layerfuse_onednn::DensePackedLayout), true);
+  Function::SetGlobal("layerfuse.onednn.dense_pack_weights", Function::FromTyped(layerfuse_onednn::DensePackWeights), true);
 }

@@ -18,11 +18,12 @@ library builds the primitive, checks the identity and the size, and uses ``W'`` 
 the module's weights are its only copy. A machine whose oneDNN picks another layout (another
 CPU ISA) refuses the call in one line (``onednn_conv.cc``, ``CheckPacked``).
 
-Packed: ``conv2d``, ``conv2d_add``, ``conv2d_pre``, the members of ``concat_convs`` and the
+Packed: ``conv2d``, ``conv2d_add``, ``conv2d_pre``, the members of ``concat_convs``, the
 residual convs in place (``call_tir_inplace`` of a TIR wrapper, which is rebuilt for the new
-weight type and attrs). Kept plain, with the reason in the report: a weight that is no
-parameter of ``main`` (a constant) or that another expression reads too, and ``dense``
-(its weights stay plain; the library keeps its reordered copy: one classifier matrix).
+weight type and attrs) and ``dense`` (the classifier: its matmul's weights layout, the
+identity in :class:`.abi.DenseAttrs`). Kept plain, with the reason in the report: a weight
+that is no parameter of ``main`` (a constant) or that another expression reads too; the
+library then keeps one reordered copy of it, as it does for calls made by hand.
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def prepack_weights(mod: tvm.IRModule, weights: Sequence[np.ndarray]) -> tuple[t
                 args = abi.Args(attrs=bound.args.attrs, members=tuple(members))
                 chosen[v] = _dps(v, abi.Bound(bound.call, args, bound.attrs))
         elif bound is not None and bound.call is abi.DENSE:
-            packer.report.kept.append((b.var.name, "dense: its weights stay plain (the library reorders one copy)"))
+            new = packer.pack_dense(b.var.name, bound)
+            if new is not None:
+                chosen[v] = _dps(v, new)
         elif op_name(v) == "relax.call_tir_inplace" and _callee(v).name_hint.startswith(abi.INPLACE_WRAPPER):
             gv, tensors = v.args
             inner = abi.bind(abi.CONV2D_ADD_INPLACE, list(tensors.fields))
@@ -148,17 +151,47 @@ class _Packer:
         self.new_params: dict = {}  # weight parameter -> (packed parameter, packed value)
         self.report = PackReport()
 
-    def pack(self, name: str, bound: abi.Bound, out_channels: Optional[list]) -> Optional[abi.Bound]:
-        """``bound`` reading its weights packed, or None (the reason in the report)."""
+    def _refusal(self, bound: abi.Bound) -> str:
         w = bound.args.weight
-        why = ""
         if bound.attrs.packed:
-            why = "packed already"
-        elif not isinstance(w, relax.Var) or w not in self.values:
-            why = "its weight is no weight parameter of main"
-        elif self.uses.get(w, 0) != 1 or w in self.new_params:
-            why = f"its weight {w.name} is read by other expressions too"
-        elif out_channels is None:
+            return "packed already"
+        if not isinstance(w, relax.Var) or w not in self.values:
+            return "its weight is no weight parameter of main"
+        if self.uses.get(w, 0) != 1 or w in self.new_params:
+            return f"its weight {w.name} is read by other expressions too"
+        return ""
+
+    def _packed(self, name: str, bound: abi.Bound, value: np.ndarray, identity: int, packed: np.ndarray) -> relax.Var:
+        w = bound.args.weight
+        new = relax.Var(w.name, relax.TensorType([int(packed.size)], "float32"))
+        self.new_params[w] = (new, packed)
+        self.report.packed += 1
+        self.report.plain_bytes += value.nbytes
+        self.report.packed_bytes += packed.nbytes
+        layer = int(getattr(bound.attrs, "layer", -1))  # dense: -1
+        self.report.layouts.append((name, layer, int(identity), int(packed.nbytes)))
+        return new
+
+    def pack_dense(self, name: str, bound: abi.Bound) -> Optional[abi.Bound]:
+        """A ``dense`` call reading its weights packed, or None (the reason in the report)."""
+        why = self._refusal(bound)
+        x = static_shape(bound.args.input)
+        if not why and (x is None or len(x) != 2):
+            why = "its input's shape is not static"
+        if why:
+            self.report.kept.append((name, why))
+            return None
+        value = np.asarray(self.values[bound.args.weight], dtype=np.float32)
+        identity, packed = onednn.pack_dense_weights(x[0], value)
+        new = self._packed(name, bound, value, identity, packed)
+        k, m = value.shape
+        return bound.replace(weight=new, attrs=abi.DenseAttrs(packed=identity, k=k, m=m))
+
+    def pack(self, name: str, bound: abi.Bound, out_channels: Optional[list]) -> Optional[abi.Bound]:
+        """A conv call reading its weights packed, or None (the reason in the report)."""
+        w = bound.args.weight
+        why = self._refusal(bound)
+        if not why and out_channels is None:
             why = "its outputs' shapes are not static"
         if why:
             self.report.kept.append((name, why))
@@ -170,12 +203,7 @@ class _Packer:
             x_shape, value, bound.attrs, prologue=bound.call is abi.CONV2D_PRE,
             residual=bound.args.residual is not None, out_channels=out_channels,
         )
-        new = relax.Var(w.name, relax.TensorType([int(packed.size)], "float32"))
-        self.new_params[w] = (new, packed)
-        self.report.packed += 1
-        self.report.plain_bytes += value.nbytes
-        self.report.packed_bytes += packed.nbytes
-        self.report.layouts.append((name, int(bound.attrs.layer), int(identity), int(packed.nbytes)))
+        new = self._packed(name, bound, value, identity, packed)
         return bound.replace(weight=new, attrs=bound.attrs.packed_as(identity, value.shape))
 
 
