@@ -143,7 +143,12 @@ class Runtime:
         order = spec.get("order", [])
         if not order:
             return []
-        return [tvm.runtime.tensor(a, self.device) for a in read_weights(self.path, spec["file"], order)]
+        arrays = read_weights(self.path, spec["file"], order)
+        arrays.reverse()
+        tensors = []
+        while arrays:  # each array freed once its tensor is made: the weights are held about once, even while loading
+            tensors.append(tvm.runtime.tensor(arrays.pop(), self.device))
+        return tensors
 
     # ------------------------------------------------------------------ inference
     def _arguments(self, inputs: Inputs) -> list[Any]:
