@@ -202,6 +202,22 @@ def test_every_conv_form_reads_packed_weights_and_matches_onnxruntime(artifacts,
     assert rel_err(run_runtime_only(path, feeds, tmp_path)["output"], want) <= RTOL
 
 
+def test_a_prologue_conv_writing_its_channels_of_a_concat_reads_packed_weights(tmp_path):
+    """A member of kind CONV_PRE in concat_convs (its channel count read from its packed attrs)."""
+    from test_tactics_prologue_pieces import _pieces_into_block
+
+    model = _pieces_into_block(seed=41)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    path = compile_model(tmp_path / "m.onnx", tmp_path / "art", tactics="onednn", winograd="never", progress=False)
+    tactics = json.loads((path / "manifest.json").read_text())["tactics"]
+    (block,) = [c for c in tactics["layers"] if c["layer"].startswith("concat:") and c["tactic"] == "in-place"]
+    assert block["kernel"].startswith("1 convs write their channels"), block
+    assert tactics["packed_weights"]["packed_calls"] == 5 and tactics["packed_weights"]["kept_plain"] == []
+    feeds = random_inputs(model, 7)
+    (want,) = run_onnxruntime(model, feeds)
+    assert rel_err(load(path).run(feeds)["output"], want) <= RTOL
+
+
 def test_an_artifact_packed_for_another_layout_refuses_to_run_in_one_line(artifacts, tmp_path):
     path, model = artifacts[2]
     manifest = json.loads((path / "manifest.json").read_text())
