@@ -169,3 +169,56 @@ def test_a_tactic_library_of_another_version_is_refused_in_one_line(two_artifact
     assert "\n" not in message and f"ABI version {abi.ABI_VERSION + 1}" in message and f"version {abi.ABI_VERSION}" in message
     assert rel_err(load(pa).run(feeds)["c3_out"], want) <= RTOL  # the loaded one still serves its artifacts
 
+
+
+def _shuffle_net() -> onnx.ModelProto:
+    """conv -> relu -> channel shuffle (Reshape / Transpose / Reshape: TVM kernels with parallel
+    loops) -> Softmax over the channels (a TVM reduction) -> conv: library layers and TVM kernels
+    in turn."""
+    n = Net(seed=5)
+    x = n.input("x", (1, 16, 20, 20))
+    a = n.relu(n.conv(x, 32, name="c1"))
+    g = n.node("Reshape", [a, n.const(np.array([1, 4, 8, 20, 20], np.int64))], shape=(1, 4, 8, 20, 20))
+    t = n.node("Transpose", [g], shape=(1, 8, 4, 20, 20), perm=[0, 2, 1, 3, 4])
+    s = n.node("Reshape", [t, n.const(np.array([1, 32, 20, 20], np.int64))], shape=(1, 32, 20, 20))
+    m = n.node("Softmax", [s], axis=1)
+    return n.build([n.conv(m, 24, name="c2")])
+
+
+@pytest.fixture(scope="module")
+def shuffle_artifact(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pool")
+    model = _shuffle_net()
+    onnx.save(model, str(base / "m.onnx"))
+    compile_model(base / "m.onnx", base / "art", tactics="onednn", winograd="never", progress=False)
+    return base / "art", model
+
+
+@pytest.mark.parametrize("pool", ["openmp", "tvm"])
+def test_tvm_kernels_run_on_the_tactic_librarys_threads(shuffle_artifact, pool, monkeypatch):
+    """The model's parallel TVM kernels run on the tactic library's OpenMP threads (one pool
+    for the whole model), or on TVM's own pool where TVM_LAYERFUSE_THREAD_POOL=tvm; the
+    answers are onnxruntime's either way, from one thread and from three at once."""
+    path, model = shuffle_artifact
+    kernels = artifact.read_manifest(path)["schedules"]["kernels"]
+    assert any(k["parallel"] for k in kernels.values()), kernels  # there is a parallel TVM loop to share
+    monkeypatch.setenv("TVM_LAYERFUSE_THREAD_POOL", pool)
+    rt = load(path)
+    assert rt.shared_pool is (pool == "openmp")
+    cases = [_expected(model, seed) for seed in range(3)]
+    for feeds, want in cases:
+        assert rel_err(rt.run(feeds)["c2_out"], want) <= RTOL
+    errs: list = []
+    threads = [threading.Thread(target=lambda f=f, w=w: errs.append(rel_err(rt.run(f)["c2_out"], w))) for f, w in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errs) == 3 and max(errs) <= RTOL, errs
+
+
+def test_an_unknown_thread_pool_is_refused_in_one_line(shuffle_artifact, monkeypatch):
+    monkeypatch.setenv("TVM_LAYERFUSE_THREAD_POOL", "tbb")
+    with pytest.raises(ArtifactError) as e:
+        load(shuffle_artifact[0])
+    assert "\n" not in str(e.value) and "TVM_LAYERFUSE_THREAD_POOL='tbb'" in str(e.value) and "openmp" in str(e.value)

@@ -58,6 +58,18 @@ def load_on_board(
     return how
 
 
+def share_pool_on_board(sess, library: str) -> bool:
+    """On the board, run the parallel loops of the loaded model library ``library`` (a name in
+    the server's work folder) on the tactic library's OpenMP threads, as a local load does
+    (:func:`tvm_layerfuse.runtime.tactics.share_thread_pool`). False where the board's server
+    or tactic library offers no way to (its loops keep TVM's pool: slower, not wrong)."""
+    try:
+        where = sess.get_function("tvm.rpc.server.workpath")(library)
+        return bool(sess.get_function("layerfuse.onednn.share_pool")(where))
+    except Exception:  # noqa: BLE001 - an older server or library: TVM's pool stays
+        return False
+
+
 def _load(sess, entry: Mapping[str, Any], *, board: str) -> str:
     name = entry["file"]
     try:

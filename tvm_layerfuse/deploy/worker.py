@@ -24,7 +24,7 @@ from ..errors import ArtifactError, BoardMismatchError, first_line
 from ..runtime import artifact
 from ..runtime.loader import contiguous, read_weights
 from .inputs import elf_machine, fit_board
-from .remote_tactics import RemoteTacticsError, load_on_board
+from .remote_tactics import RemoteTacticsError, load_on_board, share_pool_on_board
 from .tracker import StepFailure, TrackerClient
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,8 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
             sess.upload(bytearray(lib_bytes), "model.so")
             what = step("loading the library")
             rlib = sess.load_module("model.so")
+            if job.get("tactics"):  # one thread pool on the board too
+                share_pool_on_board(sess, "model.so")
             vm = vm_runtime.VirtualMachine(rlib, dev)
             what = step(f"sending the weights ({weight_mb:.1f} MB) and inputs")
             args = [tvm.runtime.tensor(v, dev) for v in inputs] + [tvm.runtime.tensor(w, dev) for w in weights]

@@ -116,7 +116,7 @@ class Runtime:
         self.device = tvm.cuda(index) if kind == "cuda" else tvm.cpu(0)
         if not self.device.exist:
             raise DeviceError(f"device {device!r} is not available on this machine; expected a visible GPU")
-        runtime_tactics.load_tactics(self.path, manifest)  # before the model: it calls their functions
+        tactics = runtime_tactics.load_tactics(self.path, manifest)  # before the model: it calls their functions
         try:
             lib = tvm.runtime.load_module(str(self.path / manifest["library"]))
         except Exception as e:
@@ -124,6 +124,8 @@ class Runtime:
                 f"library {manifest['library']!r} of artifact {str(self.path)!r} cannot be loaded: "
                 f"{first_line(e)}"
             ) from None
+        # one thread pool: the model's TVM kernels on the tactic library's OpenMP threads
+        self.shared_pool = bool(tactics) and runtime_tactics.share_thread_pool(self.path / manifest["library"])
         self._lib = lib
         self._make_vm = vm_runtime.VirtualMachine
         self._threads = threading.local()  # each thread's VirtualMachine (a VM is not thread-safe)

@@ -136,6 +136,31 @@ def release_layers() -> None:
         f()
 
 
+POOL_VARIABLE = "TVM_LAYERFUSE_THREAD_POOL"  # "openmp" (the default) or "tvm"
+
+
+def share_thread_pool(library: Path) -> bool:
+    """Run the parallel loops of the loaded model library ``library`` on the oneDNN tactic
+    library's OpenMP threads (``layerfuse.onednn.share_pool``), so that a model alternating
+    between library layers and TVM kernels keeps one set of worker threads, not two that spin
+    against each other. Their number is OpenMP's (``OMP_NUM_THREADS``, else one per core).
+    ``TVM_LAYERFUSE_THREAD_POOL=tvm`` keeps TVM's own pool (``TVM_NUM_THREADS``). Returns
+    whether the loops now run on OpenMP; False where no tactic library is loaded."""
+    import os
+
+    import tvm_ffi
+
+    choice = os.environ.get(POOL_VARIABLE, "openmp").strip().lower()
+    if choice not in ("openmp", "tvm"):
+        raise ArtifactError(f"{POOL_VARIABLE}={choice!r} is not a thread pool; expected 'openmp' or 'tvm' - set one of them or unset it")
+    share = tvm_ffi.get_global_func("layerfuse.onednn.share_pool", allow_missing=True)
+    if choice == "tvm" or share is None:
+        return False
+    shared = bool(share(str(Path(library).resolve())))
+    log.debug("parallel loops of %s on %s", library, "OpenMP" if shared else "TVM's pool")
+    return shared
+
+
 def environment_lib_dirs() -> list[Path]:
     """Where pip puts a package's shared libraries in this Python environment: the prefix's
     ``lib`` (``sys.prefix``), and the user base's for ``pip install --user``."""

@@ -192,7 +192,7 @@ def build_extension() -> Path:
                 extra_cflags=list(_FLAGS),
                 # run path $ORIGIN only ('$$' is ninja's '$'): libdnnl.so.2 beside the library
                 # (a bundle), else whatever the loader loaded first by absolute path
-                extra_ldflags=[f"-L{found.lib_dir}", "-ldnnl", "-fopenmp", "'-Wl,-rpath,$$ORIGIN'"],
+                extra_ldflags=[f"-L{found.lib_dir}", "-ldnnl", "-ldl", "-fopenmp", "'-Wl,-rpath,$$ORIGIN'"],
                 extra_include_paths=[str(found.prefix / "include")],
                 build_directory=build_dir,
             )

@@ -96,6 +96,10 @@
 //       that layer's time here under two attrs, fastest of reps interleaved runs each
 //       (for the algorithm choice)
 //   layerfuse.onednn.pool_implementation(x_shape, out_shape, attrs) -> str   the same, pools
+//   layerfuse.onednn.share_pool(library_path) -> bool
+//       the parallel loops of a loaded TVM library (its __TVMBackendParallelLaunch slot) run on
+//       this library's OpenMP threads instead of TVM's own pool; false where the library has
+//       no such slot or needs TVM's parallel barrier
 
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/shape.h>
@@ -105,6 +109,7 @@
 #include <tvm/ffi/string.h>
 
 #include <oneapi/dnnl/dnnl.hpp>
+#include <dlfcn.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -1334,6 +1339,44 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
 
 int64_t AbiVersion() { return kAbiVersion; }
 
+// One thread pool for the whole model. A model whose layers alternate between this library
+// (oneDNN's OpenMP threads) and TVM's kernels (TVM's own pool) would otherwise keep two sets of
+// worker threads, each spinning after its turn while the other set works: on a machine with as
+// many cores as threads, every switch competes with a spinning thread of the other pool. So the
+// TVM kernels' parallel loops run on OpenMP too, as TVM's own OpenMP build runs them: TVM's
+// codegen calls the function in the library's `__TVMBackendParallelLaunch` slot (the loader
+// fills it with TVM's pool at load) with a lambda that splits its loop by (task id, number of
+// tasks); the team size is what OpenMP gives, so every task of the loop runs exactly once.
+struct ParallelGroupEnv {  // TVM's TVMParallelGroupEnv
+  void* sync_handle;
+  int32_t num_task;
+};
+using ParallelLambda = int (*)(int task_id, ParallelGroupEnv* penv, void* cdata);
+
+int OmpParallelLaunch(ParallelLambda lambda, void* cdata, int num_task) {
+  const int want = num_task > 0 ? num_task : omp_get_max_threads();
+  std::atomic<int> status{0};
+#pragma omp parallel num_threads(want)
+  {
+    ParallelGroupEnv env{nullptr, static_cast<int32_t>(omp_get_num_threads())};
+    const int rc = lambda(omp_get_thread_num(), &env, cdata);
+    if (rc != 0) status.store(rc);
+  }
+  return status.load();
+}
+
+bool SharePool(String library_path) {
+  void* handle = dlopen(library_path.c_str(), RTLD_LAZY | RTLD_NOLOAD);
+  if (handle == nullptr) return false;  // not loaded (or not by this path)
+  void** launch = reinterpret_cast<void**>(dlsym(handle, "__TVMBackendParallelLaunch"));
+  // a barrier inside a parallel loop needs TVM's pool (its sync handle): keep that pool there
+  const bool barrier = dlsym(handle, "__TVMBackendParallelBarrier") != nullptr;
+  const bool shared = launch != nullptr && !barrier;
+  if (shared) *launch = reinterpret_cast<void*>(&OmpParallelLaunch);
+  dlclose(handle);
+  return shared;
+}
+
 // The block width of oneDNN's optimised kernels on this CPU (see Layouts): its AVX-512
 // kernels (avx512_core and up) take nChw16c, its AVX2 / AVX / SSE4.1 ones nChw8c; below
 // SSE4.1 there are only reference kernels, and plain layouts are kept.
@@ -1393,4 +1436,5 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.pack_weights", Function::FromTyped(layerfuse_onednn::PackWeights), true);
   Function::SetGlobal("layerfuse.onednn.dense_packed_layout", Function::FromTyped(layerfuse_onednn::DensePackedLayout), true);
   Function::SetGlobal("layerfuse.onednn.dense_pack_weights", Function::FromTyped(layerfuse_onednn::DensePackWeights), true);
+  Function::SetGlobal("layerfuse.onednn.share_pool", Function::FromTyped(layerfuse_onednn::SharePool), true);
 }
