@@ -155,7 +155,7 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
     if packing:
         kept = packing.get("kept_plain") or []
         lines.append(
-            f"  weights: {packing.get('packed_calls', 0)} conv calls read theirs packed in their oneDNN layouts "
+            f"  weights: {packing.get('packed_calls', 0)} oneDNN calls read theirs packed in their primitives' layouts "
             f"({packing.get('packed_bytes', 0) / 2**20:.1f} MiB), {len(kept)} calls plain"
             + (f" ({'; '.join(sorted({k['reason'] for k in kept}))})" if kept else "")
         )
