@@ -63,7 +63,7 @@ def test_plans_keep_invariants_and_their_onnx_realisation_agrees(case: CNNCase):
     assert_agrees(check_case(case.model, case.feeds, stages=("plan", "realize")))
 
 
-@settings(max_examples=30, **PROPERTY)
+@settings(max_examples=16, **PROPERTY)
 @given(cnn_graphs(max_layers=6))
 def test_fused_tvm_unfused_tvm_and_onnxruntime_agree(case: CNNCase):
     res = check_case(case.model, case.feeds)
@@ -71,7 +71,7 @@ def test_fused_tvm_unfused_tvm_and_onnxruntime_agree(case: CNNCase):
     assert res.refused is None, res.refused  # generated graphs hold only ops the fusion handles
 
 
-@settings(max_examples=20, **PROPERTY)
+@settings(max_examples=10, **PROPERTY)
 @given(cnn_graphs(max_layers=8, blocks=("parallel", "concat", "residual")))
 def test_agreement_on_branchy_graphs(case: CNNCase):
     """Parallel convs, concats and residuals only: horizontal merges, in-place concats and
