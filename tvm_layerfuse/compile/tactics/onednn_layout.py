@@ -585,5 +585,5 @@ def _dense(mm: relax.Call, out, bias, layers: list) -> Optional[tuple]:
     if _kernel_refused(kernel):
         return None
     layers.append(LayerChoice(f"dense:{out.name}", "onednn", kernel=kernel, shape=f"x{list(xs)} w{list(ws)}"))
-    args = abi.DENSE.flatten(abi.Args(inputs=(x,), weight=w, bias=relax.op.reshape(bias, [m])))
+    args = abi.DENSE.flatten(abi.Args(inputs=(x,), weight=w, bias=relax.op.reshape(bias, [m]), attrs=abi.DenseAttrs().to_shape()))
     return abi.DENSE.name, args, relax.TensorType(list(ys), "float32")
