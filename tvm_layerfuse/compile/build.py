@@ -88,7 +88,9 @@ def compile_model(
             mod, tactic_plan = apply_tactics(mod, params, spec, tactics=tactics, winograd=winograd)
         with step("fold weights"):
             mod, weights = lift_weights(mod, params)
-            if tactic_plan.used == "onednn":  # the conv calls' weights, packed for this machine's oneDNN
+            # the conv calls' weights, packed for this machine's oneDNN; an artifact for other CPUs
+            # (cpu-portable) keeps them plain: the CPU that runs it reorders them once, at first use
+            if tactic_plan.used == "onednn" and spec.host_cpu:
                 from .tactics.prepack import prepack_weights
 
                 mod, weights, tactic_plan.packing = prepack_weights(mod, weights)
