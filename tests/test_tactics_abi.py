@@ -59,7 +59,7 @@ def test_malformed_conv_attrs_are_refused(field):
     values[abi.ConvAttrs.names().index(field)] = 0
     with pytest.raises(abi.AbiError, match=">= 1"):
         abi.ConvAttrs.from_shape(values)
-    with pytest.raises(abi.AbiError, match="16 fields"):
+    with pytest.raises(abi.AbiError, match=f"{len(abi.ConvAttrs.names())} fields"):
         abi.ConvAttrs.from_shape(values[:-1])
 
 

@@ -113,6 +113,10 @@ def test_squeeze_excitation_gate_conv_is_taken_and_the_multiply_stays_after_it(g
     (gate,) = [c for c in layers if c.layer.endswith("_gate") or "_gate_" in c.layer]
     assert gate.tactic == "onednn", gate
     assert all(c.tactic == "onednn" for c in layers if not c.layer.startswith(("pool:", "dense:", "concat:"))), layers
+    # the squeeze reads x, which the multiply (TVM) reads too, so x stays plain: no pool runs on
+    # oneDNN's scalar plain-layout kernel; TVM's scheduled reduction takes it
+    pools = [c for c in layers if c.layer.startswith("pool:")]
+    assert all(c.kernel.startswith("jit") for c in pools), pools
 
 
 def test_a_residual_computed_from_the_conv_itself_stays_with_tvm():

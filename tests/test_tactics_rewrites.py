@@ -20,8 +20,9 @@ from tvm_layerfuse.compile.tactics.oracle import use_oracle
 from tvm_layerfuse.compile.tactics.use_onednn import NO_WINOGRAD, UseOneDNNConv
 
 # ConvAttrs of a 1x1 / 3x3 conv with relu: (strides, pads t l b r, dilations, groups, act,
-# src_block, dst_block, alpha, beta, algorithm, layer); the oracle's CPU has 16-channel blocks
-assert abi.ConvAttrs.names()[10:12] == ("src_block", "dst_block") and len(abi.ConvAttrs.names()) == 16
+# src_block, dst_block, alpha, beta, algorithm, layer, packed, weight dims: plain weights here);
+# the oracle's CPU has 16-channel blocks
+assert abi.ConvAttrs.names()[10:12] == ("src_block", "dst_block") and len(abi.ConvAttrs.names()) == 21
 
 
 class Oracle:
@@ -70,7 +71,7 @@ class SplitBefore:
         with R.dataflow():
             y = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w, b, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 7])),
+                (x, w, b, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 48, 8, 8), "float32"),
             )
             s = R.split(y, indices_or_sections=[16, 32], axis=1)
@@ -90,7 +91,7 @@ class SplitExpected:
         with R.dataflow():
             s = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w, b, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 7])),
+                (x, w, b, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0])),
                 [
                     R.Tensor((1, 16, 8, 8), "float32"),
                     R.Tensor((1, 16, 8, 8), "float32"),
@@ -125,12 +126,12 @@ class ChainBefore:
         with R.dataflow():
             y = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w1, b1, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0])),
+                (x, w1, b1, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             z = R.call_dps_packed(
                 "layerfuse.onednn.conv2d_add",
-                (y, w2, b2, y, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1])),
+                (y, w2, b2, y, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             R.output(z)
@@ -157,12 +158,12 @@ class ChainNoResidualBefore:
         with R.dataflow():
             y = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w1, b1, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0])),
+                (x, w1, b1, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             z = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (y, w2, b2, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1])),
+                (y, w2, b2, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             R.output(z)
@@ -182,12 +183,12 @@ class ChainNoResidualExpected:
         with R.dataflow():
             y = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w1, b1, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 16, 0, 0, 0, 0])),
+                (x, w1, b1, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             z = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (y, w2, b2, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 16, 0, 0, 0, 0, 1])),
+                (y, w2, b2, R.shape([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 16, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             R.output(z)
@@ -223,12 +224,12 @@ class ConcatBefore:
         with R.dataflow():
             y1 = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w1, b1, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0])),
+                (x, w1, b1, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             y2 = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w2, b2, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1])),
+                (x, w2, b2, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 16, 8, 8), "float32"),
             )
             c = R.call_dps_packed("layerfuse.onednn.concat", (y1, u, y2), R.Tensor((1, 64, 8, 8), "float32"))
@@ -257,12 +258,12 @@ class ConcatExpected:
                     x,
                     w1,
                     b1,
-                    R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]),
+                    R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]),
                     u,
                     x,
                     w2,
                     b2,
-                    R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1]),
+                    R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]),
                 ),
                 R.Tensor((1, 64, 8, 8), "float32"),
             )
@@ -294,12 +295,12 @@ class ResidualBefore:
         with R.dataflow():
             r = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w1, b1, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0])),
+                (x, w1, b1, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 16, 8, 8), "float32"),
             )
             y = R.call_dps_packed(
                 "layerfuse.onednn.conv2d_add",
-                (x, w2, b2, r, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1])),
+                (x, w2, b2, r, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 16, 8, 8), "float32"),
             )
             R.output(y)
@@ -360,7 +361,7 @@ class BlockedReadByTVM:
         with R.dataflow():
             y = R.call_dps_packed(
                 "layerfuse.onednn.conv2d",
-                (x, w, b, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 16, 0, 0, 0, 0])),
+                (x, w, b, R.shape([1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0])),
                 R.Tensor((1, 32, 8, 8), "float32"),
             )
             z = R.nn.relu(y)

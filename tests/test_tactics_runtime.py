@@ -1,5 +1,6 @@
 """The oneDNN tactic library at run time, in one process: two models of the same shapes and
-different weights, loaded together and one after the other, each give onnxruntime's answer;
+different weights (their conv weights packed in the artifacts, used where each module holds
+them), loaded together and one after the other, each give onnxruntime's answer;
 one Runtime serves several threads at once; a tactic library of another calling-contract
 version is refused in one line, never run with the wrong code."""
 
@@ -87,6 +88,12 @@ def test_two_models_at_once_and_one_after_the_other(two_artifacts):
     manifest = json.loads((pa / "manifest.json").read_text())
     assert manifest["tactics"]["used"] == "onednn"
     assert manifest["tactics"]["libraries"][0]["abi_version"] == abi.ABI_VERSION
+    # the packed path: every conv call reads its weights packed, the artifact holds no plain ones
+    for path in (pa, pb):
+        packing = json.loads((path / "manifest.json").read_text())["tactics"]["packed_weights"]
+        assert packing["packed_calls"] == 3 and packing["kept_plain"] == [], packing
+        with np.load(path / "params.npz") as params:
+            assert not [k for k in params.files if params[k].ndim == 4], params.files
     # at the same time
     ra, rb = load(pa), load(pb)
     for _ in range(2):

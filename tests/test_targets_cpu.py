@@ -56,6 +56,9 @@ def test_both_presets_compile_run_and_are_recorded(tmp_path):
         m = json.loads((out / "manifest.json").read_text())
         assert m["target"]["preset"] == preset
         assert m["target"]["portable"] is (preset == "cpu-portable")
+        if m["tactics"]["used"] == "onednn":  # weights packed for this CPU's oneDNN, never for "any x86-64"
+            packing = m["tactics"]["packed_weights"]
+            assert (packing is None) is (preset == "cpu-portable"), packing
         got = load(out).run(feeds)
         for e, g in zip(expected, got.values()):
             assert rel_err(g, e) <= 1e-4

@@ -6,7 +6,9 @@
     import + fuse   Relax module with the merges carried out, weights still parameters
                     (``--no-fuse``: the same import, TVM's own pipeline only)
     weights         LiftTransformParams: every computation on weights alone (folded BN,
-                    concatenated horizontal weights ...) runs once, here, on the build host
+                    concatenated horizontal weights ...) runs once, here, on the build host;
+                    oneDNN conv calls then get their weights packed in their primitives'
+                    layout (tactics/prepack.py): the loaded module holds them once
     build           tvm.compile for the target (CPU: TVM's default Relax pipeline with its
                     FuseOps/FuseTIR; CUDA: plus dlight GPU schedules, nvcc fatbin)
     write           model.so (cross-linked for aarch64) + params.npz + manifest.json,
@@ -86,6 +88,12 @@ def compile_model(
             mod, tactic_plan = apply_tactics(mod, params, spec, tactics=tactics, winograd=winograd)
         with step("fold weights"):
             mod, weights = lift_weights(mod, params)
+            # the conv calls' weights, packed for this machine's oneDNN; an artifact for other CPUs
+            # (cpu-portable) keeps them plain: the CPU that runs it reorders them once, at first use
+            if tactic_plan.used == "onednn" and spec.host_cpu:
+                from .tactics.prepack import prepack_weights
+
+                mod, weights, tactic_plan.packing = prepack_weights(mod, weights)
             mod = safe_param_names(mod)
             outputs = program_outputs(mod, p.first.outputs)
         with step("build"):

@@ -89,6 +89,11 @@ def _load_cuda_runtime(tvm) -> None:
         ) from None
 
 
+# how the oneDNN tactic library refuses a call whose weights were packed for a layout that this
+# machine's oneDNN does not pick (onednn_conv.cc, CheckPacked: another CPU ISA)
+PACKED_ELSEWHERE = "its weights were packed at compile time for a oneDNN weights layout"
+
+
 class Runtime:
     """A loaded artifact: inputs/outputs metadata and :meth:`run`."""
 
@@ -140,7 +145,12 @@ class Runtime:
         order = spec.get("order", [])
         if not order:
             return []
-        return [tvm.runtime.tensor(a, self.device) for a in read_weights(self.path, spec["file"], order)]
+        arrays = read_weights(self.path, spec["file"], order)
+        arrays.reverse()
+        tensors = []
+        while arrays:  # each array freed once its tensor is made: the weights are held about once, even while loading
+            tensors.append(tvm.runtime.tensor(arrays.pop(), self.device))
+        return tensors
 
     # ------------------------------------------------------------------ inference
     def _arguments(self, inputs: Inputs) -> list[Any]:
@@ -155,6 +165,8 @@ class Runtime:
         try:
             result = self._vm()["main"](*args)
         except (ValueError, TypeError) as e:
+            if PACKED_ELSEWHERE in str(e):  # a tactic library's call: weights packed for another CPU's layout
+                raise ArtifactError(f"artifact {str(self.path)!r} cannot run on this CPU: {first_line(e, limit=500)}") from None
             # The inputs fit the manifest, so the library refused the weights (or the manifest):
             # the artifact's files do not belong together.
             raise ArtifactError(

@@ -42,6 +42,7 @@ class TacticPlan:
     version: str = ""  # oneDNN version
     winograd: str = "timed"  # how the conv algorithm was chosen (see use_onednn.WINOGRAD_CHOICES)
     block_width: int = 0  # the channel block of the blocked layout between oneDNN calls (0 plain, 8, 16)
+    packing: Any = None  # prepack.PackReport: the conv calls whose weights the artifact holds packed
     tvm_layout: str = ""  # TVM's convs: "NCHW8c" etc. (relax/blocked_layout.py), "" plain NCHW
     blocked_convs: int = 0  # convs in that layout
     convs: int = 0  # all TVM convs
@@ -76,6 +77,7 @@ class TacticPlan:
             "counts": self.counts(),
             "layers": [c.to_dict() for c in self.layers],
             "libraries": libraries,
+            "packed_weights": self.packing.to_dict() if self.packing is not None else None,
         }
 
 
@@ -174,6 +176,14 @@ def format_tactics(info: Optional[Mapping[str, Any]]) -> str:
     if info.get("note"):
         head += f"; {info['note']}"
     lines = [head]
+    packing = info.get("packed_weights")
+    if packing:
+        kept = packing.get("kept_plain") or []
+        lines.append(
+            f"  weights: {packing.get('packed_calls', 0)} oneDNN calls read theirs packed in their primitives' layouts "
+            f"({packing.get('packed_bytes', 0) / 2**20:.1f} MiB), {len(kept)} calls plain"
+            + (f" ({'; '.join(sorted({k['reason'] for k in kept}))})" if kept else "")
+        )
     counts = info.get("counts") or {}
     if counts:
         lines.append("  " + ", ".join(f"{k}: {v} layers" for k, v in sorted(counts.items())))

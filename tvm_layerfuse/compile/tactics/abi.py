@@ -24,6 +24,7 @@ Argument roles, in call order (outputs follow as the destination-passing argumen
 
 ======================  =====================================================================
 conv2d                  input, weight, bias, attrs                      -> out_1 .. out_k
+                        (weight: plain [O, C/groups, kh, kw], or packed 1-d: ConvAttrs.packed)
 conv2d_add              input, weight, bias, residual, attrs            -> out
 conv2d_pre              inputs*, scale, shift, weight, bias, attrs      -> out_1 .. out_k
 conv2d_add_inplace      input, weight, bias, residual, *attrs (TIR: the attrs as integers)
@@ -31,7 +32,7 @@ to_blocked              input, attrs                                    -> out
 concat                  inputs*                                         -> out
 concat_convs            spec, members* (each member: its call's own arguments)  -> out
 pool2d                  input, attrs                                    -> out
-dense                   input, weight, bias                             -> out
+dense                   input, weight, bias, attrs (DenseAttrs)         -> out
 ======================  =====================================================================
 """
 
@@ -42,8 +43,9 @@ import struct
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
-ABI_VERSION = 3  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
-# 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,)
+ABI_VERSION = 4  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
+# 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,);
+# 4: a conv's weights may come packed (ConvAttrs.packed and the weight dims); dense takes attrs (DenseAttrs)
 
 NAMESPACE = "layerfuse.onednn."
 BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
@@ -155,6 +157,14 @@ class ConvAttrs(_Record):
     beta_bits: int = 0
     algorithm: int = 0  # 0 direct, 1 Winograd
     layer: int = 0  # the layer's id in its module, assigned at compile time (the library's cache key)
+    # the weights: 0 plain OIHW [O, C/groups, kh, kw]; else they come packed (1-d, the bytes of
+    # each piece's weights in the layout its oneDNN primitive picks, see compile/tactics/prepack.py)
+    # and this is that layout's identity (checked by the library), with their OIHW dims below
+    packed: int = 0
+    weight_o: int = 0
+    weight_i: int = 0
+    weight_kh: int = 0
+    weight_kw: int = 0
 
     @classmethod
     def make(cls, *, strides, padding, dilation, groups: int, act: str = "none", alpha: float = 0.0, beta: float = 0.0):
@@ -162,7 +172,7 @@ class ConvAttrs(_Record):
         if act not in ACTIVATIONS:
             raise AbiError(f"unknown activation {act!r}; expected one of {', '.join(ACTIVATIONS)}")
         (sh, sw), (pt, pl, pb, pr), (dh, dw) = strides, padding, dilation
-        return cls(sh, sw, pt, pl, pb, pr, dh, dw, int(groups), ACTIVATIONS[act], 0, 0, float_bits(alpha), float_bits(beta), 0, 0)
+        return cls(sh, sw, pt, pl, pb, pr, dh, dw, int(groups), ACTIVATIONS[act], 0, 0, float_bits(alpha), float_bits(beta))
 
     @property
     def alpha(self) -> float:
@@ -191,6 +201,8 @@ class ConvAttrs(_Record):
             raise AbiError(f"unknown conv algorithm {self.algorithm}")
         if self.layer < 0:
             raise AbiError(f"a layer id is >= 0, got {self.layer}")
+        if self.packed < 0 or (self.packed and min(self.weight_dims) < 1):
+            raise AbiError(f"packed conv attrs need an identity > 0 and weight dims >= 1: {self}")
         _check_width("conv attrs' src_block", self.src_block)
         if self.dst_block < 0:
             raise AbiError(f"conv attrs' dst_block is >= 0, got {self.dst_block}")
@@ -200,6 +212,16 @@ class ConvAttrs(_Record):
     def dst_block_of(self, j: int) -> int:
         """Output j's block width (0 plain)."""
         return dst_block_of(self.dst_block, j)
+
+    @property
+    def weight_dims(self) -> tuple[int, int, int, int]:
+        """Packed weights: their ``[O, C/groups, kh, kw]``."""
+        return self.weight_o, self.weight_i, self.weight_kh, self.weight_kw
+
+    def packed_as(self, identity: int, dims) -> "ConvAttrs":
+        """These attrs for the call's weights packed into the layout ``identity`` (plain dims ``dims``)."""
+        o, i, kh, kw = (int(d) for d in dims)
+        return self.replace(packed=int(identity), weight_o=o, weight_i=i, weight_kh=kh, weight_kw=kw)
 
 
 POOL_ALGORITHMS = {"max": 0, "avg_include_pad": 1, "avg": 2}
@@ -239,6 +261,20 @@ class ToBlockedAttrs(_Record):
         if self.block == 0:
             raise AbiError("to_blocked's block is 8 or 16, got 0")
         _check_width("to_blocked's block", self.block)
+
+
+@dataclass(frozen=True)
+class DenseAttrs(_Record):
+    """``dense``'s attrs: ``packed`` 0 for plain weights ``[K, M]``; else the identity of the
+    layout its oneDNN matmul picks, the weights coming packed in it (1-d), ``k`` and ``m`` their dims."""
+
+    packed: int = 0
+    k: int = 0
+    m: int = 0
+
+    def check(self) -> None:
+        if self.packed < 0 or (self.packed and min(self.k, self.m) < 1):
+            raise AbiError(f"packed dense attrs need an identity > 0 and k, m >= 1: {self}")
 
 
 # members of concat_convs: how each piece of the block is made
@@ -383,7 +419,7 @@ TO_BLOCKED = LibraryCall("to_blocked", ("input", "attrs"), ToBlockedAttrs, ("nch
 CONCAT = LibraryCall("concat", ("inputs*",), None, _EITHER, _EITHER)
 CONCAT_CONVS = LibraryCall("concat_convs", ("attrs", "members*"), ConcatSpec, _EITHER, _EITHER)
 POOL2D = LibraryCall("pool2d", ("input", "attrs"), PoolAttrs, _EITHER, _EITHER)
-DENSE = LibraryCall("dense", ("input", "weight", "bias"))
+DENSE = LibraryCall("dense", ("input", "weight", "bias", "attrs"), DenseAttrs)
 
 CALLS: dict[str, LibraryCall] = {
     c.name: c for c in (CONV2D, CONV2D_ADD, CONV2D_PRE, CONV2D_ADD_INPLACE, TO_BLOCKED, CONCAT, CONCAT_CONVS, POOL2D, DENSE)
@@ -581,6 +617,7 @@ def records() -> dict[str, tuple[str, tuple[str, ...]]]:
         "ConvField": ("", ConvAttrs.names()),
         "PoolField": ("", PoolAttrs.names()),
         "ToBlockedField": ("", ToBlockedAttrs.names()),
+        "DenseField": ("dense_", DenseAttrs.names()),
         "MemberField": ("", ConcatSpec.FIELDS),
         "Activation": ("", tuple(ACTIVATIONS)),
         "Conv2dArg": ("conv2d_", CONV2D.roles),
@@ -634,6 +671,7 @@ __all__ = [
     "ConcatSpec",
     "ConvAttrs",
     "DENSE",
+    "DenseAttrs",
     "LibraryCall",
     "LibraryWrites",
     "Member",

@@ -42,6 +42,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+
 from ...errors import BuildError
 from . import abi
 
@@ -292,3 +294,44 @@ def pool_implementation(x_shape: Sequence[int], out_shape: Sequence[int], attrs:
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.pool_implementation")
     return str(f(*[tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, out_shape, _values(attrs))]))
+
+
+def pack_weights(
+    x_shape: Sequence[int], weight, attrs, *, prologue: bool, residual: bool, out_channels: Sequence[int]
+) -> tuple[int, np.ndarray]:
+    """``weight`` (plain ``[O, C/groups, kh, kw]``) packed for the conv call with input dims
+    ``x_shape`` (a prologue's pieces: their concatenation's), ``attrs`` (plain weights) and
+    outputs of ``out_channels`` channels each, as this machine's oneDNN lays it out for that
+    call: (the layout's identity for :attr:`.abi.ConvAttrs.packed`, the packed bytes as 1-d
+    float32). The library builds each piece's primitive exactly as the call will."""
+    import tvm
+    import tvm_ffi
+
+    load()
+    shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, weight.shape, _values(attrs), out_channels)]
+    identity, nbytes = tvm_ffi.get_global_func("layerfuse.onednn.packed_layout")(
+        shapes[0], bool(prologue), shapes[1], shapes[2], bool(residual), shapes[3]
+    )
+    out = tvm.runtime.empty((int(nbytes) // 4,), "float32", tvm.cpu())
+    w = tvm.runtime.tensor(np.ascontiguousarray(weight, dtype=np.float32))
+    tvm_ffi.get_global_func("layerfuse.onednn.pack_weights")(
+        shapes[0], bool(prologue), w, shapes[2], bool(residual), shapes[3], out
+    )
+    return int(identity), out.numpy()
+
+
+def pack_dense_weights(n: int, weight) -> tuple[int, np.ndarray]:
+    """``weight`` (plain ``[K, M]``) packed for ``dense`` with an input of ``n`` rows, as this
+    machine's oneDNN matmul lays it out: (the layout's identity for
+    :attr:`.abi.DenseAttrs.packed`, the packed bytes as 1-d float32)."""
+    import tvm
+    import tvm_ffi
+
+    load()
+    k, m = (int(d) for d in weight.shape)
+    nkm = tvm_ffi.Shape([int(n), k, m])
+    identity, nbytes = tvm_ffi.get_global_func("layerfuse.onednn.dense_packed_layout")(nkm)
+    out = tvm.runtime.empty((int(nbytes) // 4,), "float32", tvm.cpu())
+    w = tvm.runtime.tensor(np.ascontiguousarray(weight, dtype=np.float32))
+    tvm_ffi.get_global_func("layerfuse.onednn.dense_pack_weights")(nkm, w, out)
+    return int(identity), out.numpy()

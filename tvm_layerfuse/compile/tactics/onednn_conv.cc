@@ -18,9 +18,11 @@
 //       channel range of a scratch buffer in x's layout (see RunPre), so the concatenation is
 //       never written; k is found from attrs, the first Shape argument
 //
-//   x [N, C, H, W], w [O, C/groups, kh, kw], b [O], r and out [N, O, OH, OW], float32, NCHW.
+//   x [N, C, H, W], w [O, C/groups, kh, kw] (or packed, see Weights), b [O], r and out
+//   [N, O, OH, OW], float32, NCHW.
 //   attrs: enum ConvField below (abi.ConvAttrs): strides, paddings (top, left, bottom, right),
-//   dilations, groups, act, src_block, dst_block, alpha, beta, algorithm, layer; act: enum
+//   dilations, groups, act, src_block, dst_block, alpha, beta, algorithm, layer, packed and the
+//   weight dims (O, C/groups, kh, kw; packed weights only, see Weights); act: enum
 //   Activation (abi.ACTIVATIONS), its post-ops in kActivations: relu (alpha: negative slope,
 //   i.e. LeakyRelu), clip [alpha, beta], silu, sigmoid, hardswish, hardsigmoid (alpha * x +
 //   beta clipped to [0, 1]), gelu (erf or tanh); alpha and beta are the bits of a float32;
@@ -45,11 +47,27 @@
 // oneDNN's JIT kernels run with their post-ops fused) in buffers kept with the layer; a
 // blocked one is used in place, so consecutive convs run with no reorder between them.
 //
-// A primitive is created once per (shapes, attributes, weight tensor) and kept; its weights
-// are reordered once into the layout the primitive prefers (blocked, e.g. OIhw16i16o) when
-// the layer first runs, never per inference. A fingerprint of the weight tensor (a few
-// sampled values) is compared on every call, so new weights at the same address are
-// reordered again instead of being used stale.
+// Weights. A compiled model's conv calls pass their weights packed (attrs' `packed` != 0): a
+// 1-d tensor, the model's own parameter, holding each piece's weights already in the layout
+// its primitive picks on the machine that compiled the model (blocked, e.g. OIhw8i8o, or
+// Winograd's opaque layout), one piece after the other (a merged conv's pieces: its row
+// ranges), the weight dims in the attrs. The compiler asks this library for those bytes
+// (packed_layout, pack_weights: each piece's primitive made exactly as the call makes it).
+// A call makes (once, then kept per layer id, piece and shapes) its primitives, checks that
+// the identity of their weights layouts (DescId: the fields of each dnnl_memory_desc_t) and
+// their size are the recorded ones, and runs on the tensor where it lies: no copy of the
+// weights, nothing kept per weight address. Another layout here (another CPU ISA) is refused
+// in one line (CheckPacked), never run on bytes it would misread.
+// Plain weights (w [O, C/groups, kh, kw]: calls made by hand, the compiler's timings) are
+// still taken: a primitive is made per (shapes, attributes, weight tensor) and kept with its
+// weights reordered once into its layout; a fingerprint of the weight tensor (a few sampled
+// values) is compared on every call, so new weights at the same address are reordered again.
+//
+//   layerfuse.onednn.packed_layout(x_shape, prologue, w_shape, attrs, residual, out_channels)
+//       -> [identity, bytes]: the packed weights of that call (attrs with packed 0; x_shape:
+//       the conv's input, a prologue's pieces concatenated; out_channels: each output's)
+//   layerfuse.onednn.pack_weights(x_shape, prologue, w, attrs, residual, out_channels, out)
+//       out (1-d float32 of those bytes) = w packed
 //
 //   layerfuse.onednn.to_blocked  (x, (B,), out)  out = x in nChwBc (see Layouts)
 //   layerfuse.onednn.concat      (x_1, ..., x_k, out)   channel concat: per image, piece i is
@@ -58,7 +76,11 @@
 //   layerfuse.onednn.concat_convs (spec, a_1, ..., a_m, out)   a concat (batch 1) whose pieces
 //       are convs (and copies) writing their channel ranges of out directly (see ConcatConvs;
 //       spec: abi.ConcatSpec, each member with its kind, offset and argument count)
-//   layerfuse.onednn.dense       (x, w, b, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
+//   layerfuse.onednn.dense       (x, w, b, attrs, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
+//       attrs: enum DenseField (abi.DenseAttrs: packed, K, M): packed 0, w plain [K, M]; else w
+//       comes packed (1-d) in the layout of the identity `packed`, as a conv's (see Weights)
+//   layerfuse.onednn.dense_packed_layout((N, K, M)) -> [identity, bytes]
+//   layerfuse.onednn.dense_pack_weights((N, K, M), w, out)   out = w [K, M] packed
 //   layerfuse.onednn.pool2d      (x, attrs, out)
 //       attrs: enum PoolField (abi.PoolAttrs: alg, kernel, strides, paddings, block); alg: 0 max,
 //       1 average counting the padding, 2 average over the input
@@ -100,6 +122,7 @@
 #include <shared_mutex>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -130,12 +153,13 @@ float FloatBits(int64_t v) {
 // The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
 // below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
 // together and raise kAbiVersion with abi.ABI_VERSION.
-constexpr int64_t kAbiVersion = 3;
+constexpr int64_t kAbiVersion = 4;
 
 // ConvAttrs: a conv's attrs
 enum ConvField : int {
   kStrideH, kStrideW, kPadTop, kPadLeft, kPadBottom, kPadRight, kDilationH, kDilationW, kGroups, kAct,
-  kSrcBlock, kDstBlock, kAlphaBits, kBetaBits, kAlgorithm, kLayer, kConvFieldCount
+  kSrcBlock, kDstBlock, kAlphaBits, kBetaBits, kAlgorithm, kLayer, kPacked, kWeightO, kWeightI, kWeightKh, kWeightKw,
+  kConvFieldCount
 };
 // PoolAttrs: a pool's attrs
 enum PoolField : int {
@@ -144,6 +168,8 @@ enum PoolField : int {
 };
 // ToBlockedAttrs: to_blocked's attrs
 enum ToBlockedField : int { kBlock, kToBlockedFieldCount };
+// DenseAttrs: dense's attrs
+enum DenseField : int { kDensePacked, kDenseK, kDenseM, kDenseFieldCount };
 // ConcatSpec: (block, then per member these fields)
 enum MemberField : int { kKind, kOffset, kNargs, kMemberFieldCount };
 // the arguments of conv2d (abi.CONV2D.roles; its outputs follow) and of conv2d_add_inplace
@@ -178,6 +204,8 @@ struct Attrs {
   float alpha, beta;
   int64_t algorithm;  // 0 direct, 1 Winograd
   int64_t layer;      // the layer's id in its module
+  int64_t packed;     // 0: the weight tensor is plain OIHW; else the identity of its packed layout (PackedId)
+  dims wdims;         // packed: the weights' [O, C/groups, kh, kw] (the tensor is their packed bytes)
   static Attrs From(const Shape& a) {
     if (a.size() != kConvFieldCount)
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have " << kConvFieldCount << " entries, got " << a.size();
@@ -190,9 +218,16 @@ struct Attrs {
     for (int f : {kPadTop, kPadLeft, kPadBottom, kPadRight, kLayer})
       if (a[f] < 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv attrs need paddings and a layer id >= 0";
     CheckBlock(a[kSrcBlock]);
+    if (a[kPacked] < 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: conv attrs' packed identity must be >= 0";
+    dims wdims;
+    if (a[kPacked]) {
+      wdims = {a[kWeightO], a[kWeightI], a[kWeightKh], a[kWeightKw]};
+      for (int64_t d : wdims)
+        if (d < 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: packed conv attrs need weight dims >= 1";
+    }
     return Attrs{{a[kStrideH], a[kStrideW]}, {a[kPadTop], a[kPadLeft]}, {a[kPadBottom], a[kPadRight]},
                  {a[kDilationH], a[kDilationW]}, a[kGroups], a[kAct], a[kSrcBlock], a[kDstBlock],
-                 FloatBits(a[kAlphaBits]), FloatBits(a[kBetaBits]), a[kAlgorithm], a[kLayer]};
+                 FloatBits(a[kAlphaBits]), FloatBits(a[kBetaBits]), a[kAlgorithm], a[kLayer], a[kPacked], wdims};
   }
 };
 
@@ -317,8 +352,63 @@ std::vector<float> Fingerprint(const float* w, int64_t n) {
   return f;
 }
 
-// One conv layer (or one row range of a merged one) as made for its weights: immutable once
-// made, shared by every thread that runs the layer.
+// FNV-1a over the bytes of the values added (keys and identities; not for security).
+struct Hasher {
+  uint64_t h = 1469598103934665603ull;
+  template <typename T>
+  void Add(const T& v) {
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(&v);
+    for (size_t i = 0; i < sizeof(T); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+};
+
+// The identity of a weights layout: the fields of its memory desc (dnnl_memory_desc_t, a plain C
+// struct in oneDNN 2.x) that say where each weight lives, read field by field - not the
+// struct's bytes, whose padding and unused union members are no part of the layout. Blocked
+// layouts (OIhw8i8o ...) and Winograd's opaque one (wino_desc: its format, tile and blocking,
+// its size) are covered; a conv's weights have no other kind.
+uint64_t DescId(const dnnl::memory::desc& md) {
+  const dnnl_memory_desc_t& d = md.data;
+  Hasher h;
+  h.Add(d.ndims);
+  for (int i = 0; i < d.ndims; ++i) h.Add(d.dims[i]), h.Add(d.padded_dims[i]), h.Add(d.padded_offsets[i]);
+  h.Add(static_cast<int>(d.data_type));
+  h.Add(d.offset0);
+  h.Add(static_cast<int>(d.format_kind));
+  if (d.format_kind == dnnl_blocked) {
+    const dnnl_blocking_desc_t& b = d.format_desc.blocking;
+    for (int i = 0; i < d.ndims; ++i) h.Add(b.strides[i]);
+    h.Add(b.inner_nblks);
+    for (int i = 0; i < b.inner_nblks; ++i) h.Add(b.inner_blks[i]), h.Add(b.inner_idxs[i]);
+  } else if (d.format_kind == dnnl_format_kind_wino) {
+    const dnnl_wino_desc_t& w = d.format_desc.wino_desc;
+    for (int v : {static_cast<int>(w.wino_format), w.r, w.alpha, w.ic, w.oc, w.ic_block, w.oc_block, w.ic2_block, w.oc2_block})
+      h.Add(v);
+    h.Add(w.adj_scale);
+    h.Add(w.size);
+  } else {
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: weights of format kind " << d.format_kind << " have no identity";
+  }
+  h.Add(d.extra.flags);
+  h.Add(d.extra.compensation_mask);
+  h.Add(d.extra.scale_adjust);
+  h.Add(d.extra.asymm_compensation_mask);
+  h.Add(static_cast<uint64_t>(md.get_size()));
+  return h.h;
+}
+
+// The packed identity of a call whose pieces' weights have the layouts `ids` (in piece order):
+// positive and non-zero, so it fits an attrs entry and 0 can mean "plain".
+int64_t PackedId(const std::vector<uint64_t>& ids) {
+  Hasher h;
+  for (uint64_t id : ids) h.Add(id);
+  return static_cast<int64_t>(h.h >> 2) | 1;
+}
+
+// One conv layer (or one row range of a merged one): immutable once made, shared by every
+// thread that runs the layer. Its weights are the call's own tensor, used in place, when the
+// call's weights are packed (attrs' `packed`); else (plain OIHW weights: calls made by hand,
+// and forms the compiler does not pack) a copy reordered once into the primitive's layout.
 struct Layer {
   uint64_t serial;  // unique in the process: the key of each thread's buffers for this layer
   dims x, wdims;    // what it was made for (checked on every call)
@@ -327,27 +417,35 @@ struct Layer {
   int64_t dst_block;
   dnnl::convolution_forward::primitive_desc pd;
   dnnl::convolution_forward prim;
-  dnnl::memory weights;  // in pd.weights_desc(), owned
-  std::vector<float> fingerprint;
+  uint64_t weights_id;   // DescId(pd.weights_desc())
+  size_t weights_size;   // its bytes
+  bool packed;           // the weights are the call's (packed) tensor
+  dnnl::memory weights;  // plain weights only: in pd.weights_desc(), owned
+  std::vector<float> fingerprint;  // plain weights only
   // plain NCHW <-> the primitive's layout, for a src/dst that is plain in the graph
   dnnl::memory::desc src_plain, dst_plain;
   bool src_reorder = false, dst_reorder = false;
   Reorder src_in, dst_in, dst_out;
 };
 
-// The layers, found by the layer id the compiler gave the call (attrs' `layer`) and the address
-// of the rows' weights (two modules, or two row ranges of one merged conv, differ there); what
-// a layer was made for is compared on every call, with a fingerprint of the weights (new
-// weights at a reused address are reordered again). ReleaseLayers() drops them all (a module
-// is loaded: its weights may sit where an unloaded module's were).
+// The layers, found by the layer id the compiler gave the call (attrs' `layer`), the piece of
+// the call (a merged conv's row ranges), a hash of what the layer is made for (two modules
+// with the same layer ids) and - plain weights only - the address of the rows' weights. What a
+// layer was made for is compared on every call; plain weights also by a fingerprint (new
+// weights at a reused address are reordered again). Packed layers hold no weights: nothing
+// of them depends on which module's tensor a call passes. ReleaseLayers() drops them all.
 struct LayerKey {
   int64_t layer;
-  const void* weights;
-  bool operator==(const LayerKey& o) const { return layer == o.layer && weights == o.weights; }
+  const void* weights;  // plain weights: their address; packed: null
+  size_t piece;
+  uint64_t made_for;
+  bool operator==(const LayerKey& o) const {
+    return layer == o.layer && weights == o.weights && piece == o.piece && made_for == o.made_for;
+  }
 };
 struct LayerKeyHash {
   size_t operator()(const LayerKey& k) const {
-    return std::hash<int64_t>()(k.layer) * 31 + std::hash<const void*>()(k.weights);
+    return ((std::hash<int64_t>()(k.layer) * 31 + std::hash<const void*>()(k.weights)) * 31 + k.piece) * 31 + k.made_for;
   }
 };
 using LayerMap = std::unordered_map<LayerKey, std::shared_ptr<const Layer>, LayerKeyHash>;
@@ -374,9 +472,15 @@ void CheckTensor(const TensorView& t, int ndim, const char* what) {
   if (!t.IsContiguous()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: " << what << " must be contiguous";
 }
 
+// The plain layout of weights [O, C/groups, kh, kw] (oihw; goihw for a grouped conv).
+dnnl::memory::desc PlainWeights(const dims& w, int64_t groups) {
+  if (groups == 1) return dnnl::memory::desc(w, dt::f32, tag::oihw);
+  return dnnl::memory::desc(dims{groups, w[0] / groups, w[1], w[2], w[3]}, dt::f32, tag::goihw);
+}
+
 // The rows [o, o + O) of a conv's weights and bias: one piece of a merged conv (or all of it).
 struct Rows {
-  const float* w;  // [O, C/groups, kh, kw]
+  const float* w;  // [O, C/groups, kh, kw] plain; null where the call's weights are packed
   const float* b;  // [O]
   dims wdims;
 };
@@ -393,14 +497,16 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   layer->dst_block = dst_block;
   layer->pd = MakeDesc(x, rows.wdims, at, residual, dst_block);
   layer->prim = dnnl::convolution_forward(layer->pd);
-  // the weights, once, into the layout the primitive prefers
-  const dims& w = rows.wdims;
-  dims plain = at.groups == 1 ? w : dims{at.groups, w[0] / at.groups, w[1], w[2], w[3]};
-  dnnl::memory::desc user(plain, dt::f32, at.groups == 1 ? tag::oihw : tag::goihw);
-  layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
-  Reorder(user, layer->pd.weights_desc())(const_cast<float*>(rows.w), layer->weights.get_data_handle());
-  Stream().wait();
-  layer->fingerprint = fingerprint;
+  layer->weights_id = DescId(layer->pd.weights_desc());
+  layer->weights_size = layer->pd.weights_desc().get_size();
+  layer->packed = at.packed != 0;
+  if (!layer->packed) {  // plain weights: once, into the layout the primitive prefers
+    layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
+    Reorder(PlainWeights(rows.wdims, at.groups), layer->pd.weights_desc())(const_cast<float*>(rows.w),
+                                                                            layer->weights.get_data_handle());
+    Stream().wait();
+    layer->fingerprint = fingerprint;
+  }
   // plain activations: reorders into and out of the primitive's layout (buffers: per thread)
   const dnnl::memory::desc src_md = layer->pd.src_desc(), dst_md = layer->pd.dst_desc();
   layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
@@ -415,12 +521,21 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   return layer;
 }
 
+// The layer for piece `piece` of a call (rows.w: its plain weights, or null where the call's
+// weights are packed).
 std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs, bool residual,
-                                 int64_t dst_block) {
-  const int64_t wn = rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3];
-  const std::vector<float> fingerprint = Fingerprint(rows.w, wn);
+                                 int64_t dst_block, size_t piece) {
+  const bool packed = at.packed != 0;
+  std::vector<float> fingerprint;
+  if (!packed) fingerprint = Fingerprint(rows.w, rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3]);
   const std::vector<int64_t> values(attrs.begin(), attrs.end());
-  const LayerKey key{at.layer, rows.w};
+  Hasher made_for;
+  for (int64_t v : x) made_for.Add(v);
+  for (int64_t v : rows.wdims) made_for.Add(v);
+  for (int64_t v : values) made_for.Add(v);
+  made_for.Add(residual);
+  made_for.Add(dst_block);
+  const LayerKey key{at.layer, packed ? nullptr : static_cast<const void*>(rows.w), piece, made_for.h};
   {
     std::shared_lock<std::shared_mutex> lock(CacheMutex());
     auto it = Layers().find(key);
@@ -476,12 +591,9 @@ int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * blo
 
 View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
 
-// One conv (rows of a merged one, or all of it) from x into out. r: the residual (out's
-// shape), or null.
-void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& at, const Shape& attrs,
-             const float* r, const View& out, int64_t dst_block) {
-  const std::shared_ptr<const Layer> held = Get(x_dims, rows, at, attrs, r != nullptr, dst_block);
-  const Layer& layer = *held;
+// One conv (rows of a merged one, or all of it) from x into out, as `layer`; w: its packed
+// weights (null: the layer's own copy), b: its bias. r: the residual (out's shape), or null.
+void RunRows(const float* x, const Layer& layer, const float* w, const float* b, const float* r, const View& out) {
   for (int i = 0; i < 4; ++i) {
     if (out.shape[i] != layer.pd.dst_desc().dims()[i])
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
@@ -502,9 +614,11 @@ void RunRows(const float* x, const dims& x_dims, const Rows& rows, const Attrs& 
     dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
     if (r && r != dst_ptr) std::memcpy(dst_ptr, r, sizeof(float) * out.numel());
   }
-  dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(rows.b));
+  dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(b));
+  // packed weights: the call's own tensor, wrapped where it lies (no copy)
+  dnnl::memory weights = layer.packed ? dnnl::memory(layer.pd.weights_desc(), Engine(), const_cast<float*>(w)) : layer.weights;
   Execute(layer.prim, layer.pd.scratchpad_desc(),
-          {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, layer.weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
+          {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
   if (layer.dst_reorder) layer.dst_out(dst.get_data_handle(), dst_ptr);
   Stream().wait();
 }
@@ -620,40 +734,151 @@ const float* RunPre(const Input& in, const dims& d, int64_t block) {
   return out;
 }
 
-// The conv of one call: the input (its prologue first), w, b [, r] into the views outs.
-void RunConv(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
-               const std::vector<View>& outs) {
-  dims x_dims = InputDims(in);
-  CheckTensor(w, 4, "weight");
-  CheckTensor(b, 1, "bias");
-  if (r) CheckTensor(*r, 4, "residual");
-  Attrs at = Attrs::From(attrs);
-  if (outs.empty()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: no output";
-  if (outs.size() > 1 && (r || at.groups != 1))
+// The pieces of one conv call: its input dims x (C from the weights where a blocked input holds
+// padded channels) and, per output view (its padded channels taken off), the weight dims of
+// its rows. `wd`: the call's weights [O, C/groups, kh, kw]; prologue: the input is a
+// concatenation with a prologue. Shapes only: the call (RunConv) and the compiler's packing
+// (PackedLayout) plan a call alike.
+std::vector<dims> PlanPieces(dims& x, bool prologue, const dims& wd, const Attrs& at, bool residual, std::vector<View>& views) {
+  if (views.empty()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: no output";
+  if (views.size() > 1 && (residual || at.groups != 1))
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: split outputs need a conv without residual and groups";
-  if (b.shape()[0] != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
-  const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];  // weights per output channel
   // Padded channels: a blocked tensor whose C is not a multiple of B has the type (and bytes)
   // [N, ceilB(C), H, W]; the conv's C and O come from the weights.
-  const int64_t C = w.shape()[1] * at.groups, O = w.shape()[0];
-  if (!in.sc && at.src_block && x_dims[1] != C && x_dims[1] == RoundUp(C, at.src_block)) x_dims[1] = C;
-  std::vector<View> views = outs;
+  const int64_t C = wd[1] * at.groups, O = wd[0];
+  if (!prologue && at.src_block && x[1] != C && x[1] == RoundUp(C, at.src_block)) x[1] = C;
   const int64_t dst0 = DstBlock(at.dst_block, 0);
   if (views.size() == 1 && dst0 && views[0].shape[1] != O && views[0].shape[1] == RoundUp(O, dst0)) {
     views[0].padded_c = views[0].shape[1];
     views[0].shape[1] = O;
   }
-  int64_t o = 0;  // output channels done
-  const float* xdata = in.sc ? RunPre(in, x_dims, at.src_block) : Data(in.pieces[0]);
-  for (size_t j = 0; j < views.size(); ++j) {
-    const int64_t Oj = views[j].shape[1];
-    if (o + Oj > w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
-    if (r && views[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
-    Rows rows{Data(w) + o * row, Data(b) + o, dims{Oj, w.shape()[1], w.shape()[2], w.shape()[3]}};
-    RunRows(xdata, x_dims, rows, at, attrs, r ? Data(*r) : nullptr, views[j], DstBlock(at.dst_block, j));
+  std::vector<dims> pieces;
+  int64_t o = 0;  // output channels planned
+  for (const View& v : views) {
+    const int64_t Oj = v.shape[1];
+    if (Oj < 1 || o + Oj > O) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs have more channels than the conv";
+    pieces.push_back(dims{Oj, wd[1], wd[2], wd[3]});
     o += Oj;
   }
-  if (o != w.shape()[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << w.shape()[0];
+  if (o != O) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: outputs give " << o << " channels, not " << O;
+  return pieces;
+}
+
+// the words the loader (runtime/loader.py) recognises this refusal by
+constexpr const char* kPackedElsewhere = "its weights were packed at compile time for a oneDNN weights layout";
+
+// A call with packed weights: refuse, in one line, weights packed for another layout than the
+// one this machine's oneDNN chooses for the call (another CPU ISA: another blocking, or
+// Winograd where the compiling machine had it), or of another size.
+void CheckPacked(const std::vector<std::shared_ptr<const Layer>>& layers, const Attrs& at, const TensorView& w) {
+  std::vector<uint64_t> ids;
+  size_t bytes = 0;
+  for (const auto& l : layers) ids.push_back(l->weights_id), bytes += l->weights_size;
+  const int64_t here = PackedId(ids);
+  if (here != at.packed || bytes != sizeof(float) * static_cast<size_t>(w.numel()))
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn: layer " << at.layer << ": " << kPackedElsewhere << " (identity " << at.packed
+                              << ", " << sizeof(float) * w.numel() << " bytes) that oneDNN " << dnnl_version()->major << '.'
+                              << dnnl_version()->minor << " does not pick on this CPU (identity " << here << ", " << bytes
+                              << " bytes): compile it on this machine";
+}
+
+// The conv of one call: the input (its prologue first), w, b [, r] into the views outs. w: plain
+// [O, C/groups, kh, kw], or - attrs' `packed` - the packed bytes of its pieces' weights, one
+// after the other, each in its primitive's layout (1-d; the dims are in the attrs).
+void RunConv(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
+             const std::vector<View>& outs) {
+  dims x_dims = InputDims(in);
+  Attrs at = Attrs::From(attrs);
+  const bool packed = at.packed != 0;
+  CheckTensor(w, packed ? 1 : 4, packed ? "packed weight" : "weight");
+  CheckTensor(b, 1, "bias");
+  if (r) CheckTensor(*r, 4, "residual");
+  const dims wd = packed ? at.wdims : Dims(w.shape().data(), 4);
+  if (b.shape()[0] != wd[0]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: bias length != channels";
+  std::vector<View> views = outs;
+  const std::vector<dims> pieces = PlanPieces(x_dims, in.sc != nullptr, wd, at, r != nullptr, views);
+  const int64_t row = wd[1] * wd[2] * wd[3];  // weights per output channel
+  std::vector<std::shared_ptr<const Layer>> layers;
+  int64_t o = 0;
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    if (r && views[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
+    const Rows rows{packed ? nullptr : Data(w) + o * row, Data(b) + o, pieces[j]};
+    layers.push_back(Get(x_dims, rows, at, attrs, r != nullptr, DstBlock(at.dst_block, j), j));
+    o += pieces[j][0];
+  }
+  if (packed) CheckPacked(layers, at, w);
+  const float* xdata = in.sc ? RunPre(in, x_dims, at.src_block) : Data(in.pieces[0]);
+  o = 0;
+  size_t offset = 0;  // packed: bytes of the pieces before
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    const float* wj = packed ? reinterpret_cast<const float*>(reinterpret_cast<const char*>(Data(w)) + offset) : nullptr;
+    RunRows(xdata, *layers[j], wj, Data(b) + o, r ? Data(*r) : nullptr, views[j]);
+    offset += layers[j]->weights_size;
+    o += pieces[j][0];
+  }
+}
+
+// The weights layout the call conv(x, w, attrs [, residual]) -> outputs of out_channels each
+// gets on this machine, asked by the compiler to pack the call's weights (PackWeights): its
+// packed identity (attrs' `packed`) and bytes. x: the conv's input dims (a prologue's pieces:
+// their concatenation's); prologue, residual: whether the call has them; attrs with packed 0.
+struct Packing {
+  dims x;
+  Attrs at;
+  std::vector<dims> pieces;
+  std::vector<dnnl::convolution_forward::primitive_desc> pds;
+};
+
+Packing PlanPacking(const Shape& x, bool prologue, const Shape& w, const Shape& attrs, bool residual, const Shape& out_channels) {
+  if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
+  Packing p{Dims(x.data(), 4), Attrs::From(attrs), {}, {}};
+  if (p.at.packed) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: these weights are packed already";
+  std::vector<View> views;
+  for (int64_t c : out_channels) views.push_back(View{nullptr, dims{x[0], c, 1, 1}});
+  p.pieces = PlanPieces(p.x, prologue, Dims(w.data(), 4), p.at, residual, views);
+  for (size_t j = 0; j < p.pieces.size(); ++j)
+    p.pds.push_back(MakeDesc(p.x, p.pieces[j], p.at, residual, DstBlock(p.at.dst_block, j)));
+  return p;
+}
+
+tvm::ffi::Array<int64_t> PackedLayout(Shape x, bool prologue, Shape w, Shape attrs, bool residual, Shape out_channels) {
+  try {
+    const Packing p = PlanPacking(x, prologue, w, attrs, residual, out_channels);
+    std::vector<uint64_t> ids;
+    int64_t bytes = 0;
+    for (const auto& pd : p.pds) ids.push_back(DescId(pd.weights_desc())), bytes += pd.weights_desc().get_size();
+    return tvm::ffi::Array<int64_t>{PackedId(ids), bytes};
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+// out (1-d float32, PackedLayout's bytes) = the plain weights w [O, C/groups, kh, kw] of that
+// call, each piece's rows reordered into its primitive's layout, one piece after the other.
+void PackWeights(Shape x, bool prologue, TensorView w, Shape attrs, bool residual, Shape out_channels, TensorView out) {
+  CheckTensor(w, 4, "weight");
+  CheckTensor(out, 1, "packed weight");
+  try {
+    const Packing p = PlanPacking(x, prologue, w.shape(), attrs, residual, out_channels);
+    size_t bytes = 0;
+    for (const auto& pd : p.pds) bytes += pd.weights_desc().get_size();
+    if (bytes != sizeof(float) * static_cast<size_t>(out.numel()))
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pack_weights: the packed weights take " << bytes << " bytes, out has "
+                                << sizeof(float) * out.numel();
+    const int64_t row = w.shape()[1] * w.shape()[2] * w.shape()[3];
+    char* dst = reinterpret_cast<char*>(const_cast<float*>(Data(out)));
+    std::memset(dst, 0, bytes);  // padding of blocked layouts: zeros, as oneDNN's reorder leaves them
+    int64_t o = 0;
+    for (size_t j = 0; j < p.pds.size(); ++j) {
+      const dnnl::memory::desc md = p.pds[j].weights_desc();
+      Reorder(PlainWeights(p.pieces[j], p.at.groups), md)(const_cast<float*>(Data(w)) + o * row, dst);
+      Stream().wait();
+      dst += md.get_size();
+      o += p.pieces[j][0];
+    }
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
 }
 
 void Run(const Input& in, const TensorView& w, const TensorView& b, const TensorView* r, const Shape& attrs,
@@ -752,7 +977,12 @@ void ConcatConvs(tvm::ffi::PackedArgs args, tvm::ffi::Any* rv) {
         TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: member of kind " << kind << " with " << n << " arguments";
       if (a + n > args.size() - 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: spec does not match the arguments";
       auto t = [&](int i) { return args[a + i].cast<TensorView>(); };
-      const int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? n - 3 : 1).shape()[0];
+      // a conv member's channels: its weights' rows (the attrs say them where the weights are packed)
+      int64_t Cj = kind == 0 ? t(0).shape()[1] : t(kind == 2 ? n - 3 : 1).shape()[0];
+      if (kind != 0) {
+        const Attrs at = Attrs::From(args[a + n - 1].cast<Shape>());
+        if (at.packed) Cj = at.wdims[0];
+      }
       if (offset < 0 || offset + Cj > C || (block && (offset % block || Cj % block)))
         TVM_FFI_THROW(ValueError) << "layerfuse.onednn.concat_convs: piece does not fit the output";
       View view{base + offset * H * W, dims{1, Cj, H, W}};
@@ -842,9 +1072,10 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
 }
 
 // out = x @ w + b (the classifier: Gemm / Linear), x [N, K], w [K, M], b [M], out [N, M], as a
-// oneDNN matmul primitive made once per shape.
-// The weights are reordered once into the layout the primitive prefers (packed for its
-// brgemm kernel), checked by fingerprint like a conv's.
+// oneDNN matmul primitive made once per shape. Packed weights (attrs' packed != 0: the
+// compiled model's) are used where they lie, their layout's identity checked as a conv's;
+// plain ones are reordered once into the layout the primitive prefers, checked by
+// fingerprint like a conv's.
 dnnl::matmul::primitive_desc DenseDesc(int64_t N, int64_t K, int64_t M) {
   dnnl::memory::desc src({N, K}, dt::f32, tag::ab), wei({K, M}, dt::f32, tag::any), bias({1, M}, dt::f32, tag::ab),
       dst({N, M}, dt::f32, tag::ab);
@@ -855,7 +1086,7 @@ struct DensePrim {
   int64_t N, K, M;
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
-  dnnl::memory weights;  // in pd.weights_desc(), owned
+  dnnl::memory weights;  // plain weights only: in pd.weights_desc(), owned
   std::vector<float> fingerprint;
 };
 
@@ -864,8 +1095,9 @@ std::shared_mutex& DenseMutex() {
   return *mu;
 }
 
-std::unordered_map<const void*, std::shared_ptr<const DensePrim>>& DensePrims() {
-  static auto* prims = new std::unordered_map<const void*, std::shared_ptr<const DensePrim>>();
+// plain weights: by their address; packed ones: by (N, K, M) under the null address (shared)
+std::map<std::tuple<const void*, int64_t, int64_t, int64_t>, std::shared_ptr<const DensePrim>>& DensePrims() {
+  static auto* prims = new std::map<std::tuple<const void*, int64_t, int64_t, int64_t>, std::shared_ptr<const DensePrim>>();
   return *prims;
 }
 
@@ -874,41 +1106,85 @@ void ReleaseDense() {
   DensePrims().clear();
 }
 
-void Dense(TensorView x, TensorView w, TensorView b, TensorView out) {
+void Dense(TensorView x, TensorView w, TensorView b, Shape attrs, TensorView out) {
   CheckTensor(x, 2, "input");
-  CheckTensor(w, 2, "weight");
   CheckTensor(out, 2, "output");
-  const int64_t N = x.shape()[0], K = x.shape()[1], M = w.shape()[1];
-  if (w.shape()[0] != K || b.numel() != M || out.shape()[0] != N || out.shape()[1] != M)
+  if (attrs.size() != kDenseFieldCount)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: attrs must have " << kDenseFieldCount << " entries, got " << attrs.size();
+  const int64_t packed = attrs[kDensePacked];
+  if (packed < 0) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: the packed identity must be >= 0";
+  CheckTensor(w, packed ? 1 : 2, packed ? "packed weight" : "weight");
+  const int64_t N = x.shape()[0], K = x.shape()[1], M = packed ? attrs[kDenseM] : w.shape()[1];
+  if ((packed ? attrs[kDenseK] : w.shape()[0]) != K || b.numel() != M || out.shape()[0] != N || out.shape()[1] != M)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: shapes do not agree";
   try {
-    const std::vector<float> fingerprint = Fingerprint(Data(w), K * M);
+    std::vector<float> fingerprint;
+    if (!packed) fingerprint = Fingerprint(Data(w), K * M);
+    const auto key = std::make_tuple(packed ? nullptr : static_cast<const void*>(Data(w)), N, K, M);
     std::shared_ptr<const DensePrim> p;
     {
       std::shared_lock<std::shared_mutex> lock(DenseMutex());
-      auto it = DensePrims().find(Data(w));
-      if (it != DensePrims().end() && it->second->N == N && it->second->K == K && it->second->M == M &&
-          it->second->fingerprint == fingerprint)
-        p = it->second;
+      auto it = DensePrims().find(key);
+      if (it != DensePrims().end() && it->second->fingerprint == fingerprint) p = it->second;
     }
-    if (!p) {  // made without the lock held; the weights reordered once into the primitive's layout
+    if (!p) {  // made without the lock held; plain weights reordered once into the primitive's layout
       auto made = std::make_shared<DensePrim>();
       made->N = N, made->K = K, made->M = M;
       made->pd = DenseDesc(N, K, M);
       made->prim = dnnl::matmul(made->pd);
-      made->weights = dnnl::memory(made->pd.weights_desc(), Engine());
-      Reorder(dnnl::memory::desc({K, M}, dt::f32, tag::ab), made->pd.weights_desc())(const_cast<float*>(Data(w)),
-                                                                                      made->weights.get_data_handle());
-      Stream().wait();
-      made->fingerprint = fingerprint;
+      if (!packed) {
+        made->weights = dnnl::memory(made->pd.weights_desc(), Engine());
+        Reorder(dnnl::memory::desc({K, M}, dt::f32, tag::ab), made->pd.weights_desc())(const_cast<float*>(Data(w)),
+                                                                                        made->weights.get_data_handle());
+        Stream().wait();
+        made->fingerprint = fingerprint;
+      }
       std::unique_lock<std::shared_mutex> lock(DenseMutex());
-      p = DensePrims()[Data(w)] = made;
+      p = DensePrims()[key] = made;
+    }
+    dnnl::memory weights = p->weights;
+    if (packed) {
+      const dnnl::memory::desc md = p->pd.weights_desc();
+      const int64_t here = PackedId({DescId(md)});
+      if (here != packed || md.get_size() != sizeof(float) * static_cast<size_t>(w.numel()))
+        TVM_FFI_THROW(ValueError) << "layerfuse.onednn: the dense layer: " << kPackedElsewhere << " (identity " << packed << ", "
+                                  << sizeof(float) * w.numel() << " bytes) that oneDNN does not pick on this CPU (identity " << here
+                                  << ", " << md.get_size() << " bytes): compile it on this machine";
+      weights = dnnl::memory(md, Engine(), const_cast<float*>(Data(w)));
     }
     Execute(p->prim, p->pd.scratchpad_desc(),
             {{DNNL_ARG_SRC, dnnl::memory(p->pd.src_desc(), Engine(), const_cast<float*>(Data(x)))},
-             {DNNL_ARG_WEIGHTS, p->weights},
+             {DNNL_ARG_WEIGHTS, weights},
              {DNNL_ARG_BIAS, dnnl::memory(p->pd.bias_desc(), Engine(), const_cast<float*>(Data(b)))},
              {DNNL_ARG_DST, dnnl::memory(p->pd.dst_desc(), Engine(), const_cast<float*>(Data(out)))}});
+    Stream().wait();
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+tvm::ffi::Array<int64_t> DensePackedLayout(Shape nkm) {
+  if (nkm.size() != 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: (N, K, M) expected";
+  try {
+    const dnnl::memory::desc md = DenseDesc(nkm[0], nkm[1], nkm[2]).weights_desc();
+    return tvm::ffi::Array<int64_t>{PackedId({DescId(md)}), static_cast<int64_t>(md.get_size())};
+  } catch (const dnnl::error& e) {
+    TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
+  }
+}
+
+void DensePackWeights(Shape nkm, TensorView w, TensorView out) {
+  if (nkm.size() != 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: (N, K, M) expected";
+  CheckTensor(w, 2, "weight");
+  CheckTensor(out, 1, "packed weight");
+  const int64_t K = nkm[1], M = nkm[2];
+  if (w.shape()[0] != K || w.shape()[1] != M) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense_pack_weights: w is not [K, M]";
+  try {
+    const dnnl::memory::desc md = DenseDesc(nkm[0], K, M).weights_desc();
+    if (md.get_size() != sizeof(float) * static_cast<size_t>(out.numel()))
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense_pack_weights: out has the wrong size";
+    std::memset(const_cast<float*>(Data(out)), 0, md.get_size());
+    Reorder(dnnl::memory::desc({K, M}, dt::f32, tag::ab), md)(const_cast<float*>(Data(w)), const_cast<float*>(Data(out)));
     Stream().wait();
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
@@ -1156,5 +1432,9 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.abi_version", Function::FromTyped(layerfuse_onednn::AbiVersion), true);
   Function::SetGlobal("layerfuse.onednn.release", Function::FromTyped(layerfuse_onednn::ReleaseLayers), true);
   Function::SetGlobal("layerfuse.onednn.block_width", Function::FromTyped(layerfuse_onednn::BlockWidth), true);
+  Function::SetGlobal("layerfuse.onednn.packed_layout", Function::FromTyped(layerfuse_onednn::PackedLayout), true);
+  Function::SetGlobal("layerfuse.onednn.pack_weights", Function::FromTyped(layerfuse_onednn::PackWeights), true);
+  Function::SetGlobal("layerfuse.onednn.dense_packed_layout", Function::FromTyped(layerfuse_onednn::DensePackedLayout), true);
+  Function::SetGlobal("layerfuse.onednn.dense_pack_weights", Function::FromTyped(layerfuse_onednn::DensePackWeights), true);
   Function::SetGlobal("layerfuse.onednn.share_pool", Function::FromTyped(layerfuse_onednn::SharePool), true);
 }

@@ -16,7 +16,10 @@ global average (``mean`` over H, W with keepdims, ``adaptive_avg_pool2d`` to 1x1
 ``layerfuse.onednn.pool2d``; a channel concat -> ``layerfuse.onednn.concat`` (one ``memcpy``
 per piece and image: TVM's in-place concat only moves TVM kernels' outputs), except a concat
 with an upsampled piece, which stays TVM's: FuseOps makes the upsample and the concat one
-kernel, as in TVM's default pipeline.
+kernel, as in TVM's default pipeline. A pool whose input a TVM kernel also reads (the squeeze
+of a squeeze-excite block: the gate multiply reads the same tensor) stays TVM's where oneDNN
+has only its scalar plain-layout kernel for it (``simple_nchw``): that input stays plain, and
+TVM's scheduled reduction is vector code.
 
 Layout (per tensor: plain NCHW or oneDNN's blocked ``nChwBc``, same size and Relax type).
 The block width ``B`` is the one oneDNN's optimised kernels take on this CPU
@@ -164,6 +167,10 @@ def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
     """Pools and channel concats that read oneDNN tensors -> ``layerfuse.onednn.pool2d`` /
     ``layerfuse.onednn.concat`` (so the tensors around them can stay blocked)."""
     values = {b.var: b.value for b in bindings_of(func)}
+    readers: dict = {}  # var -> the values that read it
+    for b in bindings_of(func):
+        for v in relax.analysis.free_vars(b.value):
+            readers.setdefault(v, []).append(b.value)
     made = set()  # tensors (or tuples of pieces) a oneDNN call makes
     chosen = {}
     for b in bindings_of(func):
@@ -206,11 +213,22 @@ def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
         kernel = current_oracle().pool_kernel(x_shape, y_shape, attrs)
         if _kernel_refused(kernel):
             continue
+        if not kernel.startswith("jit") and _read_by_tvm(x, readers.get(x, ())):
+            # x stays plain (a TVM kernel reads it: the gate of a squeeze-excite block), and on
+            # plain tensors oneDNN pools with a scalar loop: TVM's scheduled reduction is vector code
+            continue
         args = abi.POOL2D.flatten(abi.Args(inputs=(x,), attrs=attrs.to_shape()))
         chosen[v] = (abi.POOL2D.name, args, relax.TensorType(list(y_shape), "float32"))
         made.add(b.var)
         layers.append(LayerChoice(f"pool:{b.var.name}", "onednn", kernel=kernel, shape=f"x{list(x_shape)} out{list(y_shape)}"))
     return ReplaceCalls(chosen).visit_expr(func) if chosen else func
+
+
+def _read_by_tvm(x, readers) -> bool:
+    """Whether a TVM kernel reads ``x``: a reader that is neither a library call nor a pool
+    or concat this pass may hand to the library."""
+    library_ops = ("relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d", "relax.mean", "relax.concat")
+    return any(abi.parse_call(r) is None and op_name(r) not in library_ops for r in readers)
 
 
 @relax.expr_functor.mutator
@@ -567,5 +585,5 @@ def _dense(mm: relax.Call, out, bias, layers: list) -> Optional[tuple]:
     if _kernel_refused(kernel):
         return None
     layers.append(LayerChoice(f"dense:{out.name}", "onednn", kernel=kernel, shape=f"x{list(xs)} w{list(ws)}"))
-    args = abi.DENSE.flatten(abi.Args(inputs=(x,), weight=w, bias=relax.op.reshape(bias, [m])))
+    args = abi.DENSE.flatten(abi.Args(inputs=(x,), weight=w, bias=relax.op.reshape(bias, [m]), attrs=abi.DenseAttrs().to_shape()))
     return abi.DENSE.name, args, relax.TensorType(list(ys), "float32")
