@@ -89,6 +89,11 @@ class BlockedConvLayout:
         inlined, groups = inline_groups(mod, lambda f: _blockable_group(f, self.lanes))
         inlined = _splits_to_slices(inlined)
         out = relax.transform.ConvertLayout({"relax.nn.conv2d": [data, kernel]})(inlined)
+        # ConvertLayout converts every function; a group left as a function (a prologue group)
+        # would transform its weights inside its kernel at every call: it stays as it was
+        for gv, func in inlined.functions_items():
+            if isinstance(func, relax.Function) and gv.name_hint != "main":
+                out[gv] = func
         self.blocked, self.convs = count_blocked_convs(out)
         if not self.blocked:
             return mod  # nothing blocked: no transform enters the graph
