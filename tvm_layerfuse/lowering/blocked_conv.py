@@ -47,7 +47,8 @@ def is_blocked_depthwise(call: relax.Call) -> bool:
     data = str(a.data_layout)
     if not (data.startswith("NCHW") and data.endswith("c") and data[4:-1].isdigit()):
         return False
-    shape = call.args[0].ty.shape
+    data_arg, _ = call.args
+    shape = data_arg.ty.shape
     channels = int(shape[1]) * int(shape[4])
     return str(a.kernel_layout) == f"OIHW1i{data[4:-1]}o" and int(a.groups) == channels
 
@@ -79,11 +80,12 @@ def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     if not is_blocked_conv(call):
         return _nn_conv2d(bb, call)  # TVM's own legalization (4-d layouts; others stay Relax ops)
     a = call.attrs
+    data, weight = call.args
     if is_blocked_depthwise(call):
         return bb.call_te(
             depthwise_conv2d_nchwc,
-            call.args[0],
-            call.args[1],
+            data,
+            weight,
             strides=[int(s) for s in a.strides],
             padding=[int(p) for p in a.padding],
             dilation=[int(d) for d in a.dilation],
@@ -92,8 +94,8 @@ def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         )
     return bb.call_te(
         topi.nn.conv2d_NCHWc,
-        call.args[0],
-        call.args[1],
+        data,
+        weight,
         stride=[int(s) for s in a.strides],
         padding=[int(p) for p in a.padding],
         dilation=[int(d) for d in a.dilation],
