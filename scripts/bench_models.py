@@ -1,11 +1,12 @@
 """Latency of compiled artifacts against onnxruntime and OpenVINO, each engine in its own process.
 
 Usage: python scripts/bench_models.py MODEL.onnx [MODEL.onnx ...] [--threads 2 1] [--rounds 3]
-                                      [--runs 30] [--work DIR] [--no-fusion-off]
+                                      [--runs 30] [--work DIR] [--no-fusion-off] [--tactics tvm]
 
 For each model (batch 1, float32, the ONNX file as given):
 
-1. ``compile`` it with the defaults (fusion and the tactic choice) and with ``--no-fuse``
+1. ``compile`` it with the defaults (fusion and the tactic choice; ``--tactics tvm``: TVM's
+   kernels only) and with ``--no-fuse``
    (the same tactics on the unfused model: the "fusion off / on" column); the artifacts are
    kept under ``--work`` and reused while the model file and this package do not change;
 2. check the artifact's outputs against onnxruntime with graph optimisations off on one seeded
@@ -107,17 +108,20 @@ def _stamp(model: Path) -> str:
     return f"model {hashlib.sha256(model.read_bytes()).hexdigest()[:12]} package {h.hexdigest()[:12]}"
 
 
-def compile_pair(model: Path, work: Path, *, fusion_off: bool, reuse: bool) -> dict[str, Path]:
+def compile_pair(model: Path, work: Path, *, fusion_off: bool, reuse: bool, tactics: str = "auto") -> dict[str, Path]:
     """The artifacts (fused, and unfused with ``fusion_off``), compiled once per model and
-    package; ``reuse``: those already under ``work`` for this model file, whatever package made them."""
-    stamp = _stamp(model)
+    package with ``--tactics tactics``; ``reuse``: those already under ``work`` for this model
+    file, whatever package made them."""
+    stamp = _stamp(model) + ("" if tactics == "auto" else f" tactics {tactics}")
     out = {}
     for engine, extra in (("layerfuse", []), ("fusion-off", ["--no-fuse"])):
+        extra = [*extra, "--tactics", tactics]
         if engine == "fusion-off" and not fusion_off:
             continue
         art = work / f"{model.stem}.{engine}"
         made = (art / "stamp").read_text() if (art / "stamp").is_file() else ""
-        if reuse and made.split(" package")[0] == stamp.split(" package")[0]:
+        same_model = made.split(" package")[0] == stamp.split(" package")[0]
+        if reuse and same_model and (made.partition(" tactics ")[2] or "auto") == tactics:
             print(f"{art}: reused ({made})")
         elif made != stamp:
             cmd = [sys.executable, "-m", "tvm_layerfuse", "compile", str(model), "-o", str(art), "--force", *extra]
@@ -162,12 +166,13 @@ def main() -> None:
     ap.add_argument("--no-fusion-off", action="store_true", help="skip the unfused artifact (its column stays empty)")
     ap.add_argument("--compile-only", action="store_true", help="compile the artifacts and stop (no timing)")
     ap.add_argument("--reuse", action="store_true", help="time the artifacts already under --work for these model files")
+    ap.add_argument("--tactics", default="auto", choices=["auto", "onednn", "tvm"], help="compile's --tactics (tvm: TVM's kernels only)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     engines = [e for e in ENGINES if (e != "openvino" or _has_openvino()) and (e != "fusion-off" or not args.no_fusion_off)]
     arts, errs = {}, {}
     for model in args.models:
-        arts[model] = compile_pair(model, args.work, fusion_off=not args.no_fusion_off, reuse=args.reuse)
+        arts[model] = compile_pair(model, args.work, fusion_off=not args.no_fusion_off, reuse=args.reuse, tactics=args.tactics)
         errs[model] = max_rel_err(model, arts[model]["layerfuse"])
     if args.compile_only:
         return
