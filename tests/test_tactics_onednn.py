@@ -363,8 +363,10 @@ def test_without_onednn_compile_uses_tvm_with_one_warning(tmp_path, monkeypatch,
 
 
 def test_other_targets_keep_tvm_tactics():
-    mod, plan = apply_tactics("module", {}, resolve("aarch64"), tactics="auto")
-    assert mod == "module" and plan.used == "tvm" and "cross-compiled" in plan.note
+    mod = unfused(random_cnn(3, max_layers=3))
+    out, plan = apply_tactics(mod, {}, resolve("aarch64"), tactics="auto")
+    assert plan.used == "tvm" and "cross-compiled" in plan.note
+    assert "layerfuse.onednn" not in out.script()
 
 
 @pytest.mark.slow
