@@ -114,10 +114,7 @@ class Conv2DNCHWc(Rule):
         sch.unroll(owi)
         sch.vectorize(ocb)
         sch.decompose_reduction(block, ico)  # the init loops copy the tile's unroll and vector
-        for b in epilogue:
-            lp = sch.get_loops(b)
-            if len(lp) > 1 and int(sch.get(lp[-1]).extent) >= 2:
-                sch.vectorize(lp[-1])
+        _vectorize_epilogue(sch, epilogue)
         finish_root(sch, params)
         return sch
 
@@ -143,9 +140,14 @@ class Conv2DNCHWc(Rule):
         sch.unroll(owi)
         sch.vectorize(cb)
         sch.decompose_reduction(block, ry)
-        for b in epilogue:
-            lp = sch.get_loops(b)
-            if len(lp) > 1 and int(sch.get(lp[-1]).extent) >= 2:
-                sch.vectorize(lp[-1])
+        _vectorize_epilogue(sch, epilogue)
         finish_root(sch, params)
         return sch
+
+
+def _vectorize_epilogue(sch: s_tir.Schedule, epilogue) -> None:
+    """Each epilogue block of a tile: its innermost loop (the channel block) in vector code."""
+    for b in epilogue:
+        lp = sch.get_loops(b)
+        if len(lp) > 1 and int(sch.get(lp[-1]).extent) >= 2:
+            sch.vectorize(lp[-1])
