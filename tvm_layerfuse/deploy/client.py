@@ -55,6 +55,7 @@ from ..errors import DeployError, UsageError
 from ..runtime import artifact
 from ..runtime.io import random_inputs
 from ..runtime.loader import Inputs, parse_device
+from ..runtime.tactics import thread_pool
 from .inputs import Address, check_device, check_library, normalize_inputs, parse_address, tactic_entries, vendor_uploads
 from .results import BoardInfo, DeployResult, RunRecord, stats
 from .watchdog import run_worker
@@ -181,6 +182,7 @@ def deploy(
             "session_timeout": float(session_timeout),
             "vta_files": _vta_files(path, manifest) if vta else None,
             "tactics": tactics,
+            "thread_pool": thread_pool() if tactics else None,  # as a local load runs the model's loops
             "upload_vendor": upload_vendor,
         }
         records = run_worker(job, timeout=float(timeout), progress=progress)

@@ -156,7 +156,7 @@ def _run(job: dict[str, Any], emit: Callable[..., None]) -> None:
             sess.upload(bytearray(lib_bytes), "model.so")
             what = step("loading the library")
             rlib = sess.load_module("model.so")
-            if job.get("tactics"):  # one thread pool on the board too
+            if job.get("tactics") and job.get("thread_pool") == "openmp":  # one thread pool on the board too
                 share_pool_on_board(sess, "model.so")
             vm = vm_runtime.VirtualMachine(rlib, dev)
             what = step(f"sending the weights ({weight_mb:.1f} MB) and inputs")

@@ -139,6 +139,17 @@ def release_layers() -> None:
 POOL_VARIABLE = "TVM_LAYERFUSE_THREAD_POOL"  # "openmp" (the default) or "tvm"
 
 
+def thread_pool() -> str:
+    """The pool a model's TVM loops run on beside a tactic library: ``openmp`` (the default)
+    or ``tvm``, from ``TVM_LAYERFUSE_THREAD_POOL``; another value is refused in one line."""
+    import os
+
+    choice = os.environ.get(POOL_VARIABLE, "openmp").strip().lower()
+    if choice not in ("openmp", "tvm"):
+        raise ArtifactError(f"{POOL_VARIABLE}={choice!r} is not a thread pool; expected 'openmp' or 'tvm' - set one of them or unset it")
+    return choice
+
+
 def share_thread_pool(library: Path) -> bool:
     """Run the parallel loops of the loaded model library ``library`` on the oneDNN tactic
     library's OpenMP threads (``layerfuse.onednn.share_pool``), so that a model alternating
@@ -146,15 +157,10 @@ def share_thread_pool(library: Path) -> bool:
     against each other. Their number is OpenMP's (``OMP_NUM_THREADS``, else one per core).
     ``TVM_LAYERFUSE_THREAD_POOL=tvm`` keeps TVM's own pool (``TVM_NUM_THREADS``). Returns
     whether the loops now run on OpenMP; False where no tactic library is loaded."""
-    import os
-
     import tvm_ffi
 
-    choice = os.environ.get(POOL_VARIABLE, "openmp").strip().lower()
-    if choice not in ("openmp", "tvm"):
-        raise ArtifactError(f"{POOL_VARIABLE}={choice!r} is not a thread pool; expected 'openmp' or 'tvm' - set one of them or unset it")
     share = tvm_ffi.get_global_func("layerfuse.onednn.share_pool", allow_missing=True)
-    if choice == "tvm" or share is None:
+    if thread_pool() == "tvm" or share is None:
         return False
     shared = bool(share(str(Path(library).resolve())))
     log.debug("parallel loops of %s on %s", library, "OpenMP" if shared else "TVM's pool")

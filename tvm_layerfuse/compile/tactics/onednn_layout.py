@@ -166,9 +166,10 @@ _FOLDED_INTO_CONCAT = ("relax.image.resize2d",)
 def pools_and_concats(func: relax.Function, layers: list) -> relax.Function:
     """Pools and channel concats that read oneDNN tensors -> ``layerfuse.onednn.pool2d`` /
     ``layerfuse.onednn.concat`` (so the tensors around them can stay blocked)."""
-    values = {b.var: b.value for b in bindings_of(func)}
+    values: dict = {}
     readers: dict = {}  # var -> the values that read it
     for b in bindings_of(func):
+        values[b.var] = b.value
         for v in relax.analysis.free_vars(b.value):
             readers.setdefault(v, []).append(b.value)
     made = set()  # tensors (or tuples of pieces) a oneDNN call makes
