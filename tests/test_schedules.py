@@ -42,6 +42,10 @@ CONVS = [
     ("blocked_k3_pad_prime_width", (16, 19, 19), 16, 3, 1, 1, 1),  # 19 columns: no divisor fits a tile
     ("blocked_k5_pad", (16, 9, 9), 16, 5, 1, 2, 1),
     ("blocked_k7_stride2", (16, 23, 23), 32, 7, 2, 3, 1),
+    # partial register tiles: on AVX2 13 columns x 5 channel blocks in 2 x 3 tiles (a last tile of
+    # 1 column, 2 blocks), 27 x 5 in 4 x 2 (3 columns, 1 block); on NEON 13 x 10 in 5 x 3 (3 x 1)
+    ("blocked_k3_pad_tail_w13", (16, 13, 13), 40, 3, 1, 1, 1),
+    ("blocked_pointwise_tail_w27", (8, 27, 27), 40, 1, 1, 0, 1),
 ]
 BLOCKED_RULE = "conv2d NCHWc"
 
@@ -378,6 +382,148 @@ def test_the_conv_rule_uses_the_target_vector_width(target, isa, lanes, width):
     text = out[name].script()
     assert "T.parallel" in text and "T.unroll" in text
     assert f"T.vectorized(T.int64({width}))" in text, text
+
+
+AVX2 = {"isa": "avx2", "lanes": 8, "registers": 16}
+
+
+@pytest.mark.parametrize(
+    "params, width, chunks, tile",
+    [
+        (AVX2, 56, 8, (4, 2)),  # divisors where they are as good as any: unchanged
+        (AVX2, 28, 16, (4, 2)),
+        (AVX2, 14, 32, (2, 4)),
+        (AVX2, 13, 125, (2, 4)),  # SqueezeNet's last conv: 7 tiles of 2 columns (the last 1), 32 of 4 blocks (the last 1)
+        (AVX2, 27, 16, (4, 2)),  # 3 x 2 divides 27 but loads 5 vectors per 6 FMAs
+        (AVX2, 55, 8, (4, 2)),  # 5 x 1 divides 55: 5 FMAs per 6 loads
+        (AVX2, 13, 5, (2, 3)),
+        (AVX2, 7, 64, (4, 2)),
+        (AVX2, 19, 1, (7, 1)),  # one channel block (a depthwise conv): 7 + 7 + 5 columns
+        (AVX2, 3, 2, (3, 2)),
+        ({"isa": "neon", "lanes": 4, "registers": 32}, 13, 125, (5, 3)),
+        ({"isa": "neon", "lanes": 4, "registers": 32}, 56, 16, (4, 4)),
+    ],
+)
+def test_register_tile_scores_loads_and_the_partial_tile(params, width, chunks, tile):
+    """The tile of the most FMAs per load times the fraction of its slots that hold outputs,
+    within half the vector registers as accumulators; it need not divide the row or the
+    channel blocks."""
+    from tvm_layerfuse.compile.schedules.base import CPUParams
+    from tvm_layerfuse.compile.schedules.conv2d_nchwc import register_tile
+
+    p = CPUParams(cores=2, **params)
+    w, c = register_tile(width, chunks, p)
+    assert (w, c) == tile
+    assert w <= width and c <= chunks and w * c <= p.registers // 2 and w * c + c + 1 <= p.registers
+
+
+def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int, depthwise: bool = False):
+    """A blocked conv + bias + ReLU (NCHW8c) scheduled by the rule for AVX2 and compiled by
+    TVM's default pipeline: (the kernel as TVM's lowering leaves it after ``LoopPartition``,
+    ``UnrollLoop`` and ``Simplify``, its register tile, the compiled library and the
+    placeholders)."""
+    import tvm
+    from tvm import te, topi
+
+    from tvm_layerfuse.compile.schedules.base import CPUParams
+    from tvm_layerfuse.compile.schedules.conv2d_nchwc import Conv2DNCHWc, register_tile
+    from tvm_layerfuse.lowering.blocked_conv import depthwise_conv2d_nchwc
+
+    tgt = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
+    params = CPUParams.of(tgt)
+    chunks = cout // 8
+    data = te.placeholder((1, (cout if depthwise else cin) // 8, width, width, 8), name="data")
+    shape = (chunks, 1, kernel, kernel, 1, 8) if depthwise else (chunks, cin // 8, kernel, kernel, 8, 8)
+    weight = te.placeholder(shape, name="weight")
+    bias = te.placeholder((1, chunks, 1, 1, 8), name="bias")
+    with tgt:
+        if depthwise:
+            conv = depthwise_conv2d_nchwc(data, weight, (1, 1), (pad,) * 4, (1, 1), "float32")
+        else:
+            conv = topi.nn.conv2d_NCHWc(data, weight, (1, 1), (pad,) * 4, (1, 1), "NCHW8c", "NCHW8c", "float32")
+        out = topi.nn.relu(conv + bias)
+    sch = Conv2DNCHWc().apply(te.create_prim_func([data, weight, bias, out]), params, tgt)
+    tile = register_tile(width + 2 * pad - kernel + 1, 1 if depthwise else chunks, params)
+
+    seen = []
+
+    @tvm.instrument.pass_instrument
+    class AfterRemoveNoOp:  # the last one runs after UnrollLoop and StmtSimplify
+        def run_after_pass(self, mod, info):
+            if info.name == "tirx.RemoveNoOp":
+                seen.append(mod["main"])
+
+    with tvm.transform.PassContext(instruments=[AfterRemoveNoOp()]):
+        lib = tvm.compile(sch.mod, target=tgt)
+    return seen[-1], tile, lib, (data, weight, bias, out)
+
+
+def _fmas(func) -> tuple[int, int]:
+    """(weight loads, those under an ``if`` or in a select) in a lowered kernel's script: in
+    the conv's update every statement loads one weight vector, for one FMA."""
+    total = guarded = 0
+    open_ifs: list[int] = []  # indents of the enclosing if/else blocks
+    for line in func.script().splitlines():
+        indent = len(line) - len(line.lstrip())
+        while open_ifs and indent <= open_ifs[-1]:
+            open_ifs.pop()
+        if re.match(r"(if|elif|else)\b", line.strip()):
+            open_ifs.append(indent)
+        n = len(re.findall(r"\bweight(_\d+)?\[", line))
+        total += n
+        guarded += n if open_ifs or "if_then_else" in line else 0
+    return total, guarded
+
+
+@pytest.mark.parametrize(
+    "shape, tile",
+    [
+        ((16, 13, 40, 3, 1), (2, 3)),  # a last tile of 1 column, one of 2 channel blocks
+        ((8, 27, 40, 1, 0), (4, 2)),  # 3 columns, 1 block
+        ((16, 10, 16, 3, 1), (4, 2)),  # 10 = 4 + 4 + 2 columns, the blocks divide
+    ],
+)
+def test_partial_tiles_run_unpredicated_and_whole(shape, tile):
+    """A tile that divides neither the row nor the channel blocks: after TVM's lowering no FMA
+    is under a condition (the full tiles and the partial last ones are loops of their own),
+    and the unrolled FMAs are exactly the tiles' (full + partial) per reduction step: none
+    wasted, none missing. The kernel computes the conv."""
+    import tvm
+
+    cin, width, cout, kernel, pad = shape
+    func, got_tile, lib, tensors = _lowered_blocked_conv(cin, width, cout, kernel, pad)
+    assert got_tile == tile
+    total, guarded = _fmas(func)
+    assert guarded == 0, func.script()
+    w, c = tile
+    chunks, icb = cout // 8, 8
+    # per (reduction step of ic_0, kh, kw) x (channel-tile kind) x (column-tile kind): icb * cols * blocks FMAs
+    col_kinds = [w] + ([width % w] if width % w else [])
+    blk_kinds = [c] + ([chunks % c] if chunks % c else [])
+    assert total == sum(icb * a * b for a in col_kinds for b in blk_kinds), func.script()
+
+    rng = np.random.default_rng(2)
+    args = [rng.standard_normal([int(d) for d in t.shape]).astype(np.float32) for t in tensors[:-1]]
+    out = np.full([int(d) for d in tensors[-1].shape], np.nan, np.float32)
+    res = tvm.runtime.tensor(out)
+    lib["main"](*[tvm.runtime.tensor(a) for a in args], res)
+    data, weight, bias = args
+    padded = np.pad(data, [(0, 0), (0, 0), (pad, pad), (pad, pad), (0, 0)])
+    ref = np.zeros_like(out)
+    for ry in range(kernel):
+        for rx in range(kernel):
+            window = padded[:, :, ry : ry + width, rx : rx + width, :]  # [n, C_o, y, x, c_i]
+            ref += np.einsum("ncyxi,ocij->noyxj", window, weight[:, :, ry, rx])
+    ref = np.maximum(ref + bias, 0)
+    assert _rel_err(ref, res.numpy()) <= RTOL
+
+
+def test_depthwise_partial_tile_runs_unpredicated():
+    """The depthwise path: 19 columns in 7 + 7 + 5, no FMA under a condition."""
+    func, tile, _, _ = _lowered_blocked_conv(16, 19, 16, 3, 1, depthwise=True)
+    assert tile == (7, 1)
+    total, guarded = _fmas(func)
+    assert guarded == 0 and total == 7 + 5, func.script()
 
 
 def test_blocked_layout_transforms_each_activation_once():

@@ -18,12 +18,27 @@ primitives.
 
 ``o_i`` is the channel block ``B``, one vector register (``CPUParams.lanes``); the register
 tile is ``x/i`` output columns by ``O_o/i`` channel blocks (:func:`register_tile`: the most
-FMAs per load with at most half the vector registers as accumulators; AVX2: 4 x 2 on 56- and
-28-wide rows, 2 x 4 on 14, 7 x 1 on 7; NEON and AVX-512: 4 x 4). Every input value loaded
-feeds ``O_o/i`` FMAs and every weight vector ``x/i``.
+FMAs per load times the useful fraction, with at most half the vector registers as
+accumulators; AVX2: 4 x 2 on 56-, 28- and 27-wide rows, 2 x 4 on 14 and 13, 4 x 2 on 55
+and 7; NEON and AVX-512: 4 x 4). Every input value loaded feeds ``O_o/i`` FMAs and every
+weight vector ``x/i``.
+
+A tile that does not divide the row (or the channel blocks) leaves a partial last tile::
+
+    for x/o in 0 .. ceil(W / w):                 # pragma_loop_partition_hint
+      acc[.., x/i, :] ...  if x/o * w + x/i < W  (every FMA, init and epilogue step)
+
+TVM's ``LoopPartition`` lowering pass (``s_tir/transform/loop_partition.cc``) splits a loop
+annotated ``pragma_loop_partition_hint`` where such a condition changes value: the full
+tiles ``x/o < W // w`` run without it, and the last tile, ``x/o`` now a constant, keeps
+``x/i < W % w``, which folds away once ``x/i`` is unrolled: a smaller unrolled tile. The
+channel tail likewise, on the parallel loop ``O_o/o . n . y`` (``O_o/o`` outermost, so the
+condition ``(p // (N*H)) * c + O_o/i < chunks`` is one bound on ``p``: two parallel loops).
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 from tvm import s_tir
 
@@ -47,28 +62,28 @@ MAX_CHANNEL_BLOCKS = 4  # channel blocks per register tile at most
 
 
 def register_tile(width: int, chunks: int, params: CPUParams) -> tuple[int, int]:
-    """(output columns, channel blocks) per tile. Each step of the reduction loads one input
-    broadcast per column and one weight vector per channel block for ``columns x blocks``
-    FMAs, so the tile with the most FMAs per load wins (then the larger tile, then more
-    columns), among divisors of ``width`` and ``chunks`` with at most half the vector
-    registers as accumulators (measured on AVX2: 4 x 2 runs a 3x3 conv at 88 GFLOP/s where
-    14 x 1 ran 68, and a 1x1 at 85 against 64; 16 accumulators of 16 registers spill). A
-    width whose divisors all give less than a quarter of the registers (a prime 19 or 23 with
-    one channel block) gets equal column tiles that do not divide it (the last one predicated)."""
+    """(output columns, channel blocks) per tile, divisors of ``width`` and ``chunks`` or not.
+
+    Each step of the reduction loads one input broadcast per column and one weight vector
+    per channel block for ``columns x blocks`` FMAs; the tile with the most FMAs per load
+    times the useful fraction wins (then the larger tile, then more columns). The useful
+    fraction is ``width / (tiles * columns)`` times the same for channel blocks: the part of
+    the last, partial tile's slots that hold outputs (it runs as a smaller tile, see the
+    module docstring, at a lower FMA rate). Accumulators ``columns x blocks`` stay within
+    half the vector registers, with ``blocks + 1`` more for the weights and the broadcast
+    (measured on AVX2: 4 x 2 runs a 3x3 conv at 88 GFLOP/s where 14 x 1 ran 68, and a 1x1
+    at 85 against 64; 16 accumulators of 16 registers spill; on 13-wide rows 2 x 4 and
+    4 x 2 tie within noise and 7 x 1 is 25-45% slower)."""
     cap = params.registers // 2
     best, best_key = (1, 1), None
     for c in range(1, min(chunks, MAX_CHANNEL_BLOCKS) + 1):
-        if chunks % c:
-            continue
-        for w in range(min(width, cap // c), 0, -1):
-            if width % w == 0 and w * c + c + 1 <= params.registers:
-                key = (w * c / (w + c), w * c, w)
-                if best_key is None or key > best_key:
-                    best, best_key = (w, c), key
-                break
-    if best[0] * best[1] < cap // 2 and width > best[0]:
-        tiles = -(-width // cap)
-        return -(-width // tiles), 1
+        for w in range(1, min(width, cap // c) + 1):
+            if w * c + c + 1 > params.registers:
+                continue
+            useful = Fraction(width, -(-width // w) * w) * Fraction(chunks, -(-chunks // c) * c)
+            key = (Fraction(w * c, w + c) * useful, w * c, w)
+            if best_key is None or key > best_key:
+                best, best_key = (w, c), key
     return best
 
 
@@ -103,10 +118,10 @@ class Conv2DNCHWc(Rule):
         _, chunks, _, width, _ = extents(sch, [n, occ, oh, ow, ocb])
         reg_w, reg_c = register_tile(width, chunks, params)
         ico, ici = sch.split(ic, [None, icb])
-        owo, owi = sch.split(ow, [None, reg_w])  # a predicated last tile where reg_w does not divide
+        owo, owi = sch.split(ow, [None, reg_w])  # a partial last tile where reg_w does not divide
         occo, occi = sch.split(occ, [None, reg_c])
-        sch.reorder(n, occo, oh, owo, ico, kh, kw, ici, occi, owi, ocb)
-        par = sch.fuse(n, occo, oh)
+        sch.reorder(occo, n, oh, owo, ico, kh, kw, ici, occi, owi, ocb)
+        par = sch.fuse(occo, n, oh)
         epilogue = _epilogue_per_tile(sch, block, owo, params)
         parallelize(sch, par, total)
         sch.unroll(ici)
@@ -115,6 +130,7 @@ class Conv2DNCHWc(Rule):
         sch.vectorize(ocb)
         sch.decompose_reduction(block, ico)  # the init loops copy the tile's unroll and vector
         _vectorize_epilogue(sch, epilogue)
+        _partition_tails(sch, (owo, width, reg_w), (par, chunks, reg_c))
         finish_root(sch, params)
         return sch
 
@@ -141,8 +157,20 @@ class Conv2DNCHWc(Rule):
         sch.vectorize(cb)
         sch.decompose_reduction(block, ry)
         _vectorize_epilogue(sch, epilogue)
+        _partition_tails(sch, (owo, width, reg_w))
         finish_root(sch, params)
         return sch
+
+
+PARTITION_HINT = "pragma_loop_partition_hint"  # read by TVM's LoopPartition lowering pass
+
+
+def _partition_tails(sch: s_tir.Schedule, *splits) -> None:
+    """Each ``(outer loop, extent, tile)`` whose tile does not divide the extent: the outer
+    loop is split by ``LoopPartition`` into its full tiles and the partial last one."""
+    for loop, extent, tile in splits:
+        if extent % tile:
+            sch.annotate(loop, PARTITION_HINT, 1)
 
 
 def _vectorize_epilogue(sch: s_tir.Schedule, epilogue) -> None:
