@@ -418,32 +418,40 @@ def test_register_tile_scores_loads_and_the_partial_tile(params, width, chunks, 
 
 
 def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int, depthwise: bool = False):
-    """A blocked conv + bias + ReLU (NCHW8c) scheduled by the rule for AVX2 and compiled by
-    TVM's default pipeline: (the kernel as TVM's lowering leaves it after ``LoopPartition``,
-    ``UnrollLoop`` and ``Simplify``, its register tile, the compiled library and the
-    placeholders)."""
+    """A blocked conv + bias + ReLU (NCHW8c) legalized and fused as the pipeline does (int64
+    indices), scheduled by the rule for AVX2 and compiled by TVM's default pipeline: (the
+    kernel as TVM's lowering leaves it after ``LoopPartition``, ``UnrollLoop`` and
+    ``Simplify``, its register tile, the compiled library, the argument shapes)."""
     import tvm
-    from tvm import te, topi
+    from tvm import relax, tirx
 
     from tvm_layerfuse.compile.schedules.base import CPUParams
     from tvm_layerfuse.compile.schedules.conv2d_nchwc import Conv2DNCHWc, register_tile
-    from tvm_layerfuse.lowering.blocked_conv import depthwise_conv2d_nchwc
+    from tvm_layerfuse.lowering.blocked_conv import LegalizeBlockedConv
 
     tgt = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
     params = CPUParams.of(tgt)
     chunks = cout // 8
-    data = te.placeholder((1, (cout if depthwise else cin) // 8, width, width, 8), name="data")
-    shape = (chunks, 1, kernel, kernel, 1, 8) if depthwise else (chunks, cin // 8, kernel, kernel, 8, 8)
-    weight = te.placeholder(shape, name="weight")
-    bias = te.placeholder((1, chunks, 1, 1, 8), name="bias")
+    shapes = [
+        (1, (cout if depthwise else cin) // 8, width, width, 8),
+        (chunks, 1, kernel, kernel, 1, 8) if depthwise else (chunks, cin // 8, kernel, kernel, 8, 8),
+        (1, chunks, 1, 1, 8),
+    ]
+    bb = relax.BlockBuilder()
+    x, w, b = (relax.Var(n, relax.TensorType(s, "float32")) for n, s in zip(("data", "weight", "bias"), shapes))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            layout = "OIHW1i8o" if depthwise else "OIHW8i8o"
+            y = bb.emit(relax.op.nn.conv2d(x, w, padding=pad, groups=cout if depthwise else 1, data_layout="NCHW8c", kernel_layout=layout))
+            o = bb.emit_output(relax.op.nn.relu(relax.op.add(y, b)))
+        bb.emit_func_output(o)
+    passes = [LegalizeBlockedConv(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
     with tgt:
-        if depthwise:
-            conv = depthwise_conv2d_nchwc(data, weight, (1, 1), (pad,) * 4, (1, 1), "float32")
-        else:
-            conv = topi.nn.conv2d_NCHWc(data, weight, (1, 1), (pad,) * 4, (1, 1), "NCHW8c", "NCHW8c", "float32")
-        out = topi.nn.relu(conv + bias)
-    sch = Conv2DNCHWc().apply(te.create_prim_func([data, weight, bias, out]), params, tgt)
+        mod = tvm.transform.Sequential(passes)(bb.get())
+    (func,) = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+    sch = Conv2DNCHWc().apply(func, params, tgt)
     tile = register_tile(width + 2 * pad - kernel + 1, 1 if depthwise else chunks, params)
+    out_shape = (1, chunks, width + 2 * pad - kernel + 1, width + 2 * pad - kernel + 1, 8)
 
     seen = []
 
@@ -454,8 +462,8 @@ def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int
                 seen.append(mod["main"])
 
     with tvm.transform.PassContext(instruments=[AfterRemoveNoOp()]):
-        lib = tvm.compile(sch.mod, target=tgt)
-    return seen[-1], tile, lib, (data, weight, bias, out)
+        lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=tgt)
+    return seen[-1], tile, lib, shapes + [out_shape]
 
 
 def _fmas(func) -> tuple[int, int]:
@@ -491,20 +499,20 @@ def test_partial_tiles_run_unpredicated_and_whole(shape, tile):
     import tvm
 
     cin, width, cout, kernel, pad = shape
-    func, got_tile, lib, tensors = _lowered_blocked_conv(cin, width, cout, kernel, pad)
+    func, got_tile, lib, shapes = _lowered_blocked_conv(cin, width, cout, kernel, pad)
     assert got_tile == tile
     total, guarded = _fmas(func)
     assert guarded == 0, func.script()
     w, c = tile
-    chunks, icb = cout // 8, 8
+    chunks, icb, out_w = cout // 8, 8, shapes[-1][3]
     # per (reduction step of ic_0, kh, kw) x (channel-tile kind) x (column-tile kind): icb * cols * blocks FMAs
-    col_kinds = [w] + ([width % w] if width % w else [])
+    col_kinds = [w] + ([out_w % w] if out_w % w else [])
     blk_kinds = [c] + ([chunks % c] if chunks % c else [])
     assert total == sum(icb * a * b for a in col_kinds for b in blk_kinds), func.script()
 
     rng = np.random.default_rng(2)
-    args = [rng.standard_normal([int(d) for d in t.shape]).astype(np.float32) for t in tensors[:-1]]
-    out = np.full([int(d) for d in tensors[-1].shape], np.nan, np.float32)
+    args = [rng.standard_normal(s).astype(np.float32) for s in shapes[:-1]]
+    out = np.full(shapes[-1], np.nan, np.float32)
     res = tvm.runtime.tensor(out)
     lib["main"](*[tvm.runtime.tensor(a) for a in args], res)
     data, weight, bias = args
@@ -512,7 +520,7 @@ def test_partial_tiles_run_unpredicated_and_whole(shape, tile):
     ref = np.zeros_like(out)
     for ry in range(kernel):
         for rx in range(kernel):
-            window = padded[:, :, ry : ry + width, rx : rx + width, :]  # [n, C_o, y, x, c_i]
+            window = padded[:, :, ry : ry + out_w, rx : rx + out_w, :]  # [n, C_o, y, x, c_i]
             ref += np.einsum("ncyxi,ocij->noyxj", window, weight[:, :, ry, rx])
     ref = np.maximum(ref + bias, 0)
     assert _rel_err(ref, res.numpy()) <= RTOL

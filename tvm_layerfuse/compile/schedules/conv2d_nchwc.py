@@ -40,7 +40,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from tvm import s_tir
+import tvm
+from tvm import s_tir, tirx
 
 from .base import (
     CPUParams,
@@ -100,7 +101,7 @@ class Conv2DNCHWc(Rule):
     name = "conv2d NCHWc"
 
     def apply(self, func, params: CPUParams, target) -> s_tir.Schedule:
-        sch = s_tir.Schedule(func)
+        sch = s_tir.Schedule(_int32_indices(func))
         depthwise = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(DEPTHWISE)]
         if len(depthwise) == 1:
             return self._depthwise(sch, depthwise[0], params)
@@ -163,6 +164,23 @@ class Conv2DNCHWc(Rule):
 
 
 PARTITION_HINT = "pragma_loop_partition_hint"  # read by TVM's LoopPartition lowering pass
+
+
+def _int32_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with int32 loops and indices (Relax legalizes with int64) where every buffer
+    has fewer than 2**31 elements. TVM's ``LoopPartition`` ignores the hint on a loop whose
+    int64 variable ``NarrowDataType`` replaced by an int32 one earlier in the lowering (the
+    hint still names the old variable): seen on TVM 0.27, the partial tiles then kept their
+    predicates."""
+    for buf in func.params:
+        n = 1
+        for d in getattr(buf, "shape", None) or ():
+            if not isinstance(d, tirx.IntImm):
+                return func
+            n *= int(d)
+        if n >= 1 << 31:
+            return func
+    return tirx.transform.ForceNarrowIndexToInt32()(tvm.IRModule({"main": func}))["main"]
 
 
 def _partition_tails(sch: s_tir.Schedule, *splits) -> None:
