@@ -500,15 +500,16 @@ def _dense_block(seed: int = 5) -> onnx.ModelProto:
     cat = b.concat(features)  # 32 channels
     trans = b.avgpool(b.conv(b.relu(b.batchnorm(cat)), 16, 1, bias=False), 2, 2)
     pre = b.conv(b.relu(b.batchnorm(trans)), 16, 3, pad=1)
-    return b.build([b.global_avgpool(pre)])
+    pooled = b.avgpool(b.maxpool(pre, 3, 1, 1), 3, 1, 1, count_include_pad=False)  # padded blocked pools
+    return b.build([b.global_avgpool(b.add(pooled, pre))])
 
 
 def test_prologue_groups_run_blocked(tmp_path):
     """On the TVM path a BatchNorm + ReLU prologue group keeps its prologue and runs blocked:
     every conv is NCHW8c, each prologue group's input is a blocked tensor, the normalisation
     goes into the padding stage of a padded conv and stays one pass before an unpadded one
-    (never inside the multiply-adds), the concats stay in place, and the numbers match
-    onnxruntime."""
+    (never inside the multiply-adds), the concats stay in place, and the numbers (padded
+    blocked pools included) match onnxruntime."""
     from tvm import relax
 
     from tvm_layerfuse import runtime
