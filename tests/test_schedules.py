@@ -70,10 +70,10 @@ def _conv_zoo() -> onnx.ModelProto:
     y = b.avgpool(y, 3, 1, 1, count_include_pad=False)
     outputs.append(b.linear(b.flatten(b.global_avgpool(y)), 10))
     # MobileNet's inverted residual: the depthwise convs between blocked convs are blocked too
-    x = b.input("x_mobile", (1, 16, 15, 15))
+    x = b.input("x_mobile", (1, 16, 19, 19))  # 19 columns: partial tiles (AVX2: 4 x 2 tiles, 7 + 7 + 5 depthwise)
     y = b.clip(b.conv(x, 32, 1))
     y = b.clip(b.conv(y, 32, 3, pad=1, groups=32))
-    y = b.clip(b.conv(y, 32, 3, stride=2, pad=1, groups=32))  # 15 -> 8 columns
+    y = b.clip(b.conv(y, 32, 3, stride=2, pad=1, groups=32))  # 19 -> 10 columns
     outputs.append(b.conv(y, 16, 1))
     return b.build(outputs)
 
@@ -399,6 +399,7 @@ AVX2 = {"isa": "avx2", "lanes": 8, "registers": 16}
         (AVX2, 13, 5, (2, 3)),
         (AVX2, 7, 64, (4, 2)),
         (AVX2, 19, 1, (7, 1)),  # one channel block (a depthwise conv): 7 + 7 + 5 columns
+        (AVX2, 15, 1, (5, 1)),  # 8 + 7 scores as 5 + 5 + 5, which has no partial tile
         (AVX2, 3, 2, (3, 2)),
         ({"isa": "neon", "lanes": 4, "registers": 32}, 13, 125, (5, 3)),
         ({"isa": "neon", "lanes": 4, "registers": 32}, 56, 16, (4, 4)),
@@ -417,7 +418,7 @@ def test_register_tile_scores_loads_and_the_partial_tile(params, width, chunks, 
     assert w <= width and c <= chunks and w * c <= p.registers // 2 and w * c + c + 1 <= p.registers
 
 
-def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int, depthwise: bool = False):
+def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int):
     """A blocked conv + bias + ReLU (NCHW8c) legalized and fused as the pipeline does (int64
     indices), scheduled by the rule for AVX2 and compiled by TVM's default pipeline: (the
     kernel as TVM's lowering leaves it after ``LoopPartition``, ``UnrollLoop`` and
@@ -432,17 +433,12 @@ def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int
     tgt = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
     params = CPUParams.of(tgt)
     chunks = cout // 8
-    shapes = [
-        (1, (cout if depthwise else cin) // 8, width, width, 8),
-        (chunks, 1, kernel, kernel, 1, 8) if depthwise else (chunks, cin // 8, kernel, kernel, 8, 8),
-        (1, chunks, 1, 1, 8),
-    ]
+    shapes = [(1, cin // 8, width, width, 8), (chunks, cin // 8, kernel, kernel, 8, 8), (1, chunks, 1, 1, 8)]
     bb = relax.BlockBuilder()
     x, w, b = (relax.Var(n, relax.TensorType(s, "float32")) for n, s in zip(("data", "weight", "bias"), shapes))
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
-            layout = "OIHW1i8o" if depthwise else "OIHW8i8o"
-            y = bb.emit(relax.op.nn.conv2d(x, w, padding=pad, groups=cout if depthwise else 1, data_layout="NCHW8c", kernel_layout=layout))
+            y = bb.emit(relax.op.nn.conv2d(x, w, padding=pad, data_layout="NCHW8c", kernel_layout="OIHW8i8o"))
             o = bb.emit_output(relax.op.nn.relu(relax.op.add(y, b)))
         bb.emit_func_output(o)
     passes = [LegalizeBlockedConv(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
@@ -450,7 +446,7 @@ def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int
         mod = tvm.transform.Sequential(passes)(bb.get())
     (func,) = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
     sch = Conv2DNCHWc().apply(func, params, tgt)
-    tile = register_tile(width + 2 * pad - kernel + 1, 1 if depthwise else chunks, params)
+    tile = register_tile(width + 2 * pad - kernel + 1, chunks, params)
     out_shape = (1, chunks, width + 2 * pad - kernel + 1, width + 2 * pad - kernel + 1, 8)
 
     seen = []
@@ -524,14 +520,6 @@ def test_partial_tiles_run_unpredicated_and_whole(shape, tile):
             ref += np.einsum("ncyxi,ocij->noyxj", window, weight[:, :, ry, rx])
     ref = np.maximum(ref + bias, 0)
     assert _rel_err(ref, res.numpy()) <= RTOL
-
-
-def test_depthwise_partial_tile_runs_unpredicated():
-    """The depthwise path: 19 columns in 7 + 7 + 5, no FMA under a condition."""
-    func, tile, _, _ = _lowered_blocked_conv(16, 19, 16, 3, 1, depthwise=True)
-    assert tile == (7, 1)
-    total, guarded = _fmas(func)
-    assert guarded == 0 and total == 7 + 5, func.script()
 
 
 def test_blocked_layout_transforms_each_activation_once():
