@@ -19,6 +19,7 @@ pointer (its GOT slot, from the dynamic relocations, or the variable itself): x8
 
 vector FMA:  aarch64  ``fmla vD.4s, ...`` (NEON, 4 fp32 lanes, by vector or by element)
              x86_64   ``vfmadd...ps`` / ``vfnmadd...ps`` on a ``%ymm`` or ``%zmm`` register
+(narrower ones, ``fmla vD.2s`` or ``%xmm``, and scalar ``fmadd`` / ``vfmadd...ss`` do not count).
 """
 
 from __future__ import annotations
