@@ -585,3 +585,76 @@ def test_blocked_graph_transforms_only_at_its_edges(tmp_path):
     (ref,) = run_onnxruntime(model, feeds)
     got = next(iter(runtime.load(art, device="cpu").run(feeds).values()))
     assert _rel_err(ref, got) <= RTOL and float(np.abs(ref).max()) > 0
+
+
+def _dense_block(seed: int = 5) -> onnx.ModelProto:
+    """DenseNet's pattern at small size: a stem, two dense layers (BatchNorm + ReLU before a
+    1x1 conv, whose own BatchNorm + ReLU fold into it, then a 3x3 conv) whose outputs grow one
+    concat, a transition (BatchNorm + ReLU before a 1x1 conv, then an average pool) and a
+    pre-activation 3x3 conv with padding (ResNet-v2's form)."""
+    b = NetBuilder("dense_blocked", seed=seed)
+    x = b.input("x", (1, 8, 12, 12))
+    stem = b.relu(b.conv(x, 16, 3, pad=1))
+    features = [stem]
+    for _ in range(2):
+        cat = b.concat(features) if len(features) > 1 else features[0]
+        mid = b.relu(b.batchnorm(b.conv(b.relu(b.batchnorm(cat)), 32, 1, bias=False)))
+        features.append(b.conv(mid, 8, 3, pad=1, bias=False))
+    cat = b.concat(features)  # 32 channels
+    trans = b.avgpool(b.conv(b.relu(b.batchnorm(cat)), 16, 1, bias=False), 2, 2)
+    pre = b.conv(b.relu(b.batchnorm(trans)), 16, 3, pad=1)
+    pooled = b.avgpool(b.maxpool(pre, 3, 1, 1), 3, 1, 1, count_include_pad=False)  # padded blocked pools
+    return b.build([b.global_avgpool(b.add(pooled, pre))])
+
+
+def test_prologue_groups_run_blocked(tmp_path):
+    """On the TVM path a BatchNorm + ReLU prologue group keeps its prologue and runs blocked:
+    every conv is NCHW8c, each prologue group's input is a blocked tensor, the normalisation
+    goes into the padding stage of a padded conv and stays one pass before an unpadded one
+    (never inside the multiply-adds), the concats stay in place, and the numbers (padded
+    blocked pools included) match onnxruntime."""
+    from tvm import relax
+
+    from tvm_layerfuse import runtime
+    from tvm_layerfuse.compile.build import relax_module
+    from tvm_layerfuse.compile.presets import resolve
+    from tvm_layerfuse.compile.tactics import apply_tactics
+    from tvm_layerfuse.lowering import layerfuse_pipeline
+    from tvm_layerfuse.planner import plan as make_plan
+    from tvm_layerfuse.relax._ir import tvm_compile
+    from tvm_layerfuse.relax.fuse_prologue import PROLOGUE_PREFIX
+
+    model = _dense_block()
+    onnx.save(model, tmp_path / "m.onnx")
+    mod, params, _ = relax_module(tmp_path / "m.onnx", plan=make_plan(tmp_path / "m.onnx"), fuse=True)
+
+    def prologues(m) -> dict[str, int]:  # prologue group -> rank of its data input
+        return {
+            gv.name_hint: len(f.params[0].ty.shape)
+            for gv, f in m.functions_items()
+            if isinstance(f, relax.Function) and str((f.attrs or {}).get("Composite", "")).startswith(PROLOGUE_PREFIX)
+        }
+
+    plain = prologues(mod)
+    assert len(plain) == 4 and set(plain.values()) == {4}, plain  # two dense layers, the transition, the pre-act conv
+    blocked, tactics = apply_tactics(mod, params, resolve("cpu"), tactics="tvm")
+    assert tactics.blocked_convs == tactics.convs == 7, tactics
+    assert sorted(prologues(blocked).values()) == [5, 5, 5, 5], prologues(blocked)
+
+    tgt = resolve("cpu").tvm_target()
+    pipeline = layerfuse_pipeline(tgt)
+    with tgt:
+        tvm_compile(blocked, target=tgt, relax_pipeline=pipeline)
+    inlined = pipeline.prologue_report.inlined
+    assert not pipeline.prologue_report.kept, pipeline.prologue_report.kept
+    # x * s, + t inlined into the ReLU (kept as a pass) of the three 1x1 convs; all three into the padding of the 3x3
+    assert sorted(len(v) for v in inlined.values()) == [2, 2, 2, 3], inlined
+    rules = {k: v.rule for k, v in pipeline.schedule_report.kernels.items() if k.startswith(PROLOGUE_PREFIX)}
+    assert len(rules) == 4 and set(rules.values()) == {"conv2d NCHWc"}, rules
+
+    art = compile_model(tmp_path / "m.onnx", tmp_path / "art", target="cpu", tactics="tvm", progress=False)
+    assert read_manifest(art)["fusion"]["kernels"]["concat_kernels"] == 0
+    feeds = _feeds(model)
+    (ref,) = run_onnxruntime(model, feeds)
+    got = next(iter(runtime.load(art, device="cpu").run(feeds).values()))
+    assert _rel_err(ref, got) <= RTOL and float(np.abs(ref).std()) > 0
