@@ -35,13 +35,12 @@ from .conv2d_nchwc import Conv2DNCHWc
 from .dense import Dense
 from .injective import Generic, Injective
 from .reduction import DlightReduction, Reduction
+from .report import CALL, VIEW
 
 log = logging.getLogger(__name__)
 
 RULES: tuple[Rule, ...] = (Conv2DNCHWc(), Conv2D(), Dense(), Reduction(), DlightReduction(), Injective(), Generic())
 TUNED = "metaschedule"  # the rule name of a kernel a tuning database scheduled
-VIEW = "reshape (a view, no kernel)"
-CALL = "library call (no loop nest)"  # a TIR wrapper around a packed call (the oneDNN tactic's in-place conv)
 
 
 @dataclasses.dataclass
