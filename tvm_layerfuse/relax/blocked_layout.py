@@ -21,9 +21,15 @@ parameters: ``LiftTransformParams`` computes them once at compile time.
 The conv groups of :mod:`.fuse_epilogue` (one Relax function per conv + epilogue, called
 from ``main``) would each get their own transforms at their boundaries, weights included,
 run at every inference. So a group whose conv will be blocked (plain conv, channels in whole
-blocks, its input a parameter of the group: not a prologue group) is first inlined into
-``main``; ConvertLayout then sees the whole graph, and :class:`.fuse_epilogue.FuseConv2DEpilogue`
-groups each blocked conv with its epilogue again (the same templates, layout-agnostic).
+blocks, its input a parameter of the group) is first inlined into ``main``; ConvertLayout then
+sees the whole graph, and :class:`.fuse_epilogue.FuseConv2DEpilogue` groups each blocked conv
+with its epilogue again (the same templates, layout-agnostic). A prologue group of
+:mod:`.fuse_prologue` (``conv(relu(x * s + t))``, DenseNet) is inlined the same way, its
+``s`` and ``t`` (``[1, C, 1, 1]``) become ``[1, C/B, 1, 1, B]``, and the normalisation goes
+back in front of its conv as a prologue group on blocked tensors (:func:`_regroup_prologues`,
+for the convs whose weights had one)::
+
+    relu(to_blocked(x) * to_blocked(s) + to_blocked(t))  ==  to_blocked(relu(x * s + t))
 
 The blocked ``conv2d`` is lowered by :class:`..lowering.blocked_conv.LegalizeBlockedConv`
 (TOPI's ``conv2d_NCHWc``) and scheduled by ``compile/schedules/conv2d_nchwc.py``.
