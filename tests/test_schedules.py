@@ -75,10 +75,16 @@ def _conv_zoo() -> onnx.ModelProto:
     y = b.clip(b.conv(y, 32, 3, pad=1, groups=32))
     y = b.clip(b.conv(y, 32, 3, stride=2, pad=1, groups=32))  # 19 -> 10 columns
     outputs.append(b.conv(y, 16, 1))
+    # 1x1 convs on small planes with a residual add and a ReLU in their epilogue: tiled over the
+    # whole plane (AVX2: 49 = 12 x 4 + 1 positions, 169 = 42 x 4 + 1), the residual read per tile
+    for size in (7, 13):
+        x = b.input(f"x_plane{size}", (1, 128, size, size))
+        outputs.append(b.relu(b.add(b.conv(x, 128, 1), x)))
     return b.build(outputs)
 
 
 MOBILE_CONVS = 4  # the inverted-residual branch's convs, all blocked on every target
+PLANE_CONVS = 2  # the 1x1 convs with a residual, blocked on every target
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 3) -> dict[str, np.ndarray]:
@@ -126,13 +132,14 @@ def test_scheduled_convs_agree_with_onnxruntime(conv_zoo, x86_artifact):
 
     manifest = read_manifest(x86_artifact)
     kernels = _conv_kernels(manifest)
-    assert len(kernels) == len(CONVS) + MOBILE_CONVS
+    assert len(kernels) == len(CONVS) + MOBILE_CONVS + PLANE_CONVS
     rules = [v["rule"] for v in kernels.values()]
     assert set(rules) == {"conv2d", BLOCKED_RULE}, kernels  # not a fallback rule
     lanes = manifest["schedules"]["lanes"]
-    assert rules.count(BLOCKED_RULE) == len(_blocked(lanes)) + MOBILE_CONVS, kernels
+    assert rules.count(BLOCKED_RULE) == len(_blocked(lanes)) + MOBILE_CONVS + PLANE_CONVS, kernels
     tactics = manifest["tactics"]
-    assert (tactics["tvm_layout"], tactics["blocked_convs"]) == (f"NCHW{lanes}c", len(_blocked(lanes)) + MOBILE_CONVS), tactics
+    blocked = len(_blocked(lanes)) + MOBILE_CONVS + PLANE_CONVS
+    assert (tactics["tvm_layout"], tactics["blocked_convs"]) == (f"NCHW{lanes}c", blocked), tactics
 
 
 def test_artifact_has_no_unscheduled_kernel(x86_artifact):
@@ -200,7 +207,7 @@ def test_aarch64_conv_kernel_is_parallel_and_vectorised(aarch64_artifact):
     kernels = _conv_kernels(read_manifest(aarch64_artifact))
     rules = [v["rule"] for v in kernels.values()]
     assert set(rules) == {"conv2d", BLOCKED_RULE}, kernels
-    assert rules.count(BLOCKED_RULE) == len(_blocked(4)) + MOBILE_CONVS, kernels
+    assert rules.count(BLOCKED_RULE) == len(_blocked(4)) + MOBILE_CONVS + PLANE_CONVS, kernels
     blocked = [v for v in kernels.values() if v["rule"] == BLOCKED_RULE]
     assert all(v["vectorized"] for v in blocked), kernels
     # all parallel but one_column's (a 1x1 output: too little work for a parallel launch)
@@ -521,11 +528,12 @@ def test_register_tile_scores_loads_and_the_partial_tile(params, width, chunks, 
     assert w <= width and c <= chunks and w * c <= p.registers // 2 and w * c + c + 1 <= p.registers
 
 
-def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int):
-    """A blocked conv + bias + ReLU (NCHW8c) legalized and fused as the pipeline does (int64
-    indices), scheduled by the rule for AVX2 and compiled by TVM's default pipeline: (the
-    kernel as TVM's lowering leaves it after ``LoopPartition``, ``UnrollLoop`` and
-    ``Simplify``, its register tile, the compiled library, the argument shapes)."""
+def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int, flat: bool = False):
+    """A blocked conv + bias (+ a residual where ``flat``) + ReLU (NCHW8c) legalized and fused
+    as the pipeline does (int64 indices), scheduled by the rule for AVX2 and compiled by TVM's
+    default pipeline: (the kernel as TVM's lowering leaves it after ``LoopPartition``,
+    ``UnrollLoop`` and ``Simplify``, its register tile (over the whole plane where ``flat``),
+    the compiled library, the argument shapes)."""
     import tvm
     from tvm import relax, tirx
 
@@ -536,21 +544,24 @@ def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int
     tgt = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
     params = CPUParams.of(tgt)
     chunks = cout // 8
+    out_w = width + 2 * pad - kernel + 1
+    out_shape = (1, chunks, out_w, out_w, 8)
     shapes = [(1, cin // 8, width, width, 8), (chunks, cin // 8, kernel, kernel, 8, 8), (1, chunks, 1, 1, 8)]
+    shapes += [out_shape] if flat else []
     bb = relax.BlockBuilder()
-    x, w, b = (relax.Var(n, relax.TensorType(s, "float32")) for n, s in zip(("data", "weight", "bias"), shapes))
-    with bb.function("main", [x, w, b]):
+    args = [relax.Var(n, relax.TensorType(s, "float32")) for n, s in zip(("data", "weight", "bias", "residual"), shapes)]
+    with bb.function("main", args):
         with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, w, padding=pad, data_layout="NCHW8c", kernel_layout="OIHW8i8o"))
-            o = bb.emit_output(relax.op.nn.relu(relax.op.add(y, b)))
+            y = bb.emit(relax.op.nn.conv2d(args[0], args[1], padding=pad, data_layout="NCHW8c", kernel_layout="OIHW8i8o"))
+            y = relax.op.add(y, args[2])
+            o = bb.emit_output(relax.op.nn.relu(relax.op.add(y, args[3]) if flat else y))
         bb.emit_func_output(o)
     passes = [LegalizeBlockedConv(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
     with tgt:
         mod = tvm.transform.Sequential(passes)(bb.get())
     (func,) = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
     sch = Conv2DNCHWc().apply(func, params, tgt)
-    tile = register_tile(width + 2 * pad - kernel + 1, chunks, params)
-    out_shape = (1, chunks, width + 2 * pad - kernel + 1, width + 2 * pad - kernel + 1, 8)
+    tile = register_tile(out_w * out_w, chunks, params, flat=True) if flat else register_tile(out_w, chunks, params)
 
     seen = []
 
@@ -583,29 +594,39 @@ def _fmas(func) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(
-    "shape, tile",
+    "shape, tile, flat",
     [
-        ((16, 13, 40, 3, 1), (2, 3)),  # a last tile of 1 column, one of 2 channel blocks
-        ((8, 27, 40, 1, 0), (4, 2)),  # 3 columns, 1 block
-        ((16, 10, 16, 3, 1), (4, 2)),  # 10 = 4 + 4 + 2 columns, the blocks divide
+        ((16, 13, 40, 3, 1), (2, 3), False),  # a last tile of 1 column, one of 2 channel blocks
+        ((8, 27, 40, 1, 0), (4, 2), False),  # 3 columns, 1 block (5 channel tiles: too few for the plane)
+        ((16, 10, 16, 3, 1), (4, 2), False),  # 10 = 4 + 4 + 2 columns, the blocks divide
+        # 1x1 on small planes, tiled over the plane: 49 = 12 x 4 + 1 positions (rows: 7 x (4 + 3)),
+        # 169 = 42 x 4 + 1 (rows: 13 x (2 + 2 + 2 + 2 + 2 + 2 + 1) in 2 x 4 tiles); 196 = 49 x 4
+        ((64, 7, 136, 1, 0), (4, 2), True),  # 17 channel blocks: a last tile of 1 block too
+        ((32, 13, 128, 1, 0), (4, 2), True),
+        ((32, 14, 128, 1, 0), (4, 2), True),  # rows: 2 x 4 tiles; the plane: no partial tile
     ],
 )
-def test_partial_tiles_run_unpredicated_and_whole(shape, tile):
-    """A tile that divides neither the row nor the channel blocks: after TVM's lowering no FMA
-    is under a condition (the full tiles and the partial last ones are loops of their own),
-    and the unrolled FMAs are exactly the tiles' (full + partial) per reduction step: none
-    wasted, none missing. The kernel computes the conv."""
+def test_partial_tiles_run_unpredicated_and_whole(shape, tile, flat):
+    """A tile that divides neither the row (or plane) nor the channel blocks: after TVM's
+    lowering no FMA is under a condition (the full tiles and the partial last ones are loops
+    of their own), and the unrolled FMAs are exactly the tiles' (full + partial) per
+    reduction step: none wasted, none missing. A 1x1 conv on a small plane runs along the
+    whole plane, with plain addresses (no division or modulo left by the flattening). The
+    kernel computes the conv, every output written (the output starts as NaN)."""
     import tvm
 
     cin, width, cout, kernel, pad = shape
-    func, got_tile, lib, shapes = _lowered_blocked_conv(cin, width, cout, kernel, pad)
+    func, got_tile, lib, shapes = _lowered_blocked_conv(cin, width, cout, kernel, pad, flat=flat)
     assert got_tile == tile
     total, guarded = _fmas(func)
     assert guarded == 0, func.script()
+    text = func.script()
+    assert not flat or ("//" not in text and "%" not in text), text  # (a padding pass has its own)
     w, c = tile
     chunks, icb, out_w = cout // 8, 8, shapes[-1][3]
     # per (reduction step of ic_0, kh, kw) x (channel-tile kind) x (column-tile kind): icb * cols * blocks FMAs
-    col_kinds = [w] + ([out_w % w] if out_w % w else [])
+    run = out_w * out_w if flat else out_w  # the positions a tile runs along
+    col_kinds = [w] + ([run % w] if run % w else [])
     blk_kinds = [c] + ([chunks % c] if chunks % c else [])
     assert total == sum(icb * a * b for a in col_kinds for b in blk_kinds), func.script()
 
@@ -614,14 +635,14 @@ def test_partial_tiles_run_unpredicated_and_whole(shape, tile):
     out = np.full(shapes[-1], np.nan, np.float32)
     res = tvm.runtime.tensor(out)
     lib["main"](*[tvm.runtime.tensor(a) for a in args], res)
-    data, weight, bias = args
+    data, weight, bias = args[:3]
     padded = np.pad(data, [(0, 0), (0, 0), (pad, pad), (pad, pad), (0, 0)])
     ref = np.zeros_like(out)
     for ry in range(kernel):
         for rx in range(kernel):
             window = padded[:, :, ry : ry + out_w, rx : rx + out_w, :]  # [n, C_o, y, x, c_i]
             ref += np.einsum("ncyxi,ocij->noyxj", window, weight[:, :, ry, rx])
-    ref = np.maximum(ref + bias, 0)
+    ref = np.maximum(ref + bias + (args[3] if flat else 0), 0)
     assert _rel_err(ref, res.numpy()) <= RTOL
 
 

@@ -277,6 +277,13 @@ def _epilogue_per_tile(sch: s_tir.Schedule, block, loop, params: CPUParams) -> l
     """Inline the element-wise chain after ``block`` into its last blocks and compute those
     under ``loop`` (one tile at a time: the reduction's result never leaves the tile).
     Returns the blocks moved; a consumer that cannot move stays at the root (scheduled later)."""
+    _inline_epilogue(sch, block)
+    return _move_epilogue(sch, block, loop)
+
+
+def _inline_epilogue(sch: s_tir.Schedule, block) -> None:
+    """The first half of :func:`_epilogue_per_tile`: every block after ``block`` that has a
+    consumer inlined into it where TVM can."""
     changed = True
     while changed:
         changed = False
@@ -289,6 +296,15 @@ def _epilogue_per_tile(sch: s_tir.Schedule, block, loop, params: CPUParams) -> l
                 break
             except Exception:  # noqa: BLE001 - TVM's ScheduleError: this one stays
                 continue
+
+
+def _last_blocks(sch: s_tir.Schedule, block) -> list:
+    """The blocks after ``block`` that no block reads (the epilogue's outputs)."""
+    return [b for b in _downstream(sch, block) if not sch.get_consumers(b)]
+
+
+def _move_epilogue(sch: s_tir.Schedule, block, loop) -> list:
+    """The second half of :func:`_epilogue_per_tile`: the last blocks computed under ``loop``."""
     moved = []
     produced = _written_elements(sch, block)
     for b in _downstream(sch, block):

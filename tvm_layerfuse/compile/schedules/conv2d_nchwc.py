@@ -37,6 +37,19 @@ condition ``(p // (N*H)) * c + O_o/i < chunks`` is one bound on ``p``: two paral
 The kernel is first narrowed to int32 indices (:func:`_int32_indices`: with Relax's int64
 loops the hint is lost in the lowering). The depthwise path keeps its predicated last tile
 (measured faster).
+
+A 1x1 conv with stride 1 and no padding on a small plane (7 x 7, 13 x 13, 14 x 14: the late
+layers of ResNet, GoogLeNet, DenseNet, SqueezeNet) is tiled over the whole plane instead
+(:meth:`Conv2DNCHWc._flat`): in NCHW[x]c a channel block's rows follow each other, so the
+``H*W`` positions are one axis ``p = y*W + x`` of plain addresses::
+
+    parallel(O_o/o . n)
+      for p/o in 0 .. ceil(H*W / w):              # pragma_loop_partition_hint
+        acc[O_o/i, p/i, :] += in[n, C_o, p, c_i] (broadcast) * W[O_o, C_o, 0, 0, c_i, :]
+        epilogue(acc) -> out[n, O_o, p, :]
+
+7 x 7 = 49 positions run as 12 tiles of 4 and one of 1, where rows run 7 x (4 + 3). The
+rows stay where they tile as well (:func:`_flat_plane`).
 """
 
 from __future__ import annotations
@@ -52,6 +65,9 @@ from .base import (
     Rule,
     RuleRefused,
     _epilogue_per_tile,
+    _inline_epilogue,
+    _last_blocks,
+    _move_epilogue,
     extents,
     finish_root,
     iter_kinds,
@@ -68,7 +84,7 @@ DEPTHWISE = "depthwise_conv2d_NCHWc"  # lowering/blocked_conv.py
 MAX_CHANNEL_BLOCKS = 4  # channel blocks per register tile at most
 
 
-def register_tile(width: int, chunks: int, params: CPUParams) -> tuple[int, int]:
+def register_tile(width: int, chunks: int, params: CPUParams, *, flat: bool = False) -> tuple[int, int]:
     """(output columns, channel blocks) per tile, divisors of ``width`` and ``chunks`` or not.
 
     Each step of the reduction loads one input broadcast per column and one weight vector
@@ -81,12 +97,17 @@ def register_tile(width: int, chunks: int, params: CPUParams) -> tuple[int, int]
     half the vector registers, with ``blocks + 1`` more for the weights and the broadcast
     (measured on AVX2: 4 x 2 runs a 3x3 conv at 88 GFLOP/s where 14 x 1 ran 68, and a 1x1
     at 85 against 64; 16 accumulators of 16 registers spill; on 13-wide rows 2 x 4 and
-    4 x 2 tie within noise and 7 x 1 is 25-45% slower)."""
+    4 x 2 tie within noise and 7 x 1 is 25-45% slower).
+
+    ``flat``: ``width`` is a whole plane of positions (:meth:`Conv2DNCHWc._flat`); the tile
+    has at least as many positions as channel blocks (AVX2, 7 x 7 planes: 4 x 2 runs
+    2048->512 in 1460 us where 2 x 4 takes 1690, 512->2048 in 1480 against 1550: half the
+    weight panel per tile)."""
     cap = params.registers // 2
     best, best_key = (1, 1), None
     for c in range(1, min(chunks, MAX_CHANNEL_BLOCKS) + 1):
         for w in range(1, min(width, cap // c) + 1):
-            if w * c + c + 1 > params.registers:
+            if w * c + c + 1 > params.registers or (flat and w < c):
                 continue
             useful = Fraction(width, -(-width // w) * w) * Fraction(chunks, -(-chunks // c) * c)
             key = (Fraction(w * c, w + c) * useful, useful == 1, w * c, w)
@@ -119,6 +140,13 @@ class Conv2DNCHWc(Rule):
         kinds = iter_kinds(sch, block)
         if kinds != "SSSSSRRR":
             raise RuleRefused(f"blocked conv2d iterators {kinds}, expected SSSSSRRR")
+        if _flat_plane(sch, block, params):
+            try:
+                return self._flat(func, params)
+            except RuleRefused as e:
+                log.debug("1x1 conv tiled along rows: %s", e)
+                sch = s_tir.Schedule(_int32_indices(func))
+                block = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(BLOCK)][0]
         icb = _weight_block(sch, block)
         total = work(sch, block)
         sch.cache_write(block, 0, "local")  # the tile accumulates in registers, written once
@@ -139,6 +167,56 @@ class Conv2DNCHWc(Rule):
         sch.decompose_reduction(block, ico)  # the init loops copy the tile's unroll and vector
         _vectorize_epilogue(sch, epilogue)
         _partition_tails(sch, (owo, width, reg_w), (par, chunks, reg_c))
+        finish_root(sch, params)
+        return sch
+
+    def _flat(self, func, params: CPUParams) -> s_tir.Schedule:
+        """A 1x1 conv with stride 1 and no padding: rows of input and output are contiguous
+        in NCHW[x]c, so the plane is one axis of ``H*W`` positions and the tile runs along it
+        (7 x 7 = 49 positions: 12 tiles of 4 and one of 1, where rows leave 7 partial tiles).
+        The local accumulator and the blocks of the epilogue are re-indexed over the flat
+        plane first (``transform_layout``, ``transform_block_layout``) so that the epilogue
+        computed per tile covers exactly the tile's positions::
+
+            parallel(O_o/o . n) / p/o: acc[O_o/i, p/i, :] += in[.., p, c_i] * W[O_o, C_o, 0, 0, c_i, :]
+        """
+        sch = s_tir.Schedule(_int32_indices(func))
+        (block,) = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(BLOCK)]
+        icb = _weight_block(sch, block)
+        total = work(sch, block)
+        _, _, height, width, _ = (int(iv.dom.extent) for iv in sch.get(block).iter_vars[:5])
+        sch.cache_write(block, 0, "local")
+        _inline_epilogue(sch, block)
+        plane = (height, width)
+        try:
+            sch.transform_layout(block, ("write", 0), lambda n, c, h, w, ci: (n, c, h * width + w, ci))
+            sch.transform_block_layout(block, lambda n, c, h, w, ci, ic, kh, kw: (n, c, h * width + w, ci, ic, kh, kw))
+            for b in _last_blocks(sch, block):
+                ivs = sch.get(b).iter_vars
+                if iter_kinds(sch, b) != "SSSSS" or tuple(int(iv.dom.extent) for iv in ivs[2:4]) != plane:
+                    raise RuleRefused(f"epilogue block {sch.get(b).name_hint} does not iterate over the plane")
+                sch.transform_block_layout(b, lambda n, c, h, w, ci: (n, c, h * width + w, ci))
+        except RuleRefused:
+            raise
+        except Exception as e:  # noqa: BLE001 - TVM's ScheduleError: the rows' schedule instead
+            raise RuleRefused(f"the plane cannot be flattened: {str(e).splitlines()[0] if str(e) else e}") from e
+        n, occ, hw, ocb, ic, kh, kw = loops_per_iter(sch, block)
+        _, chunks, positions, _ = extents(sch, [n, occ, hw, ocb])
+        reg_w, reg_c = register_tile(positions, chunks, params, flat=True)
+        ico, ici = sch.split(ic, [None, icb])
+        hwo, hwi = sch.split(hw, [None, reg_w])
+        occo, occi = sch.split(occ, [None, reg_c])
+        sch.reorder(occo, n, hwo, ico, kh, kw, ici, occi, hwi, ocb)
+        par = sch.fuse(occo, n)
+        epilogue = _move_epilogue(sch, block, hwo)
+        parallelize(sch, par, total)
+        sch.unroll(ici)
+        sch.unroll(occi)
+        sch.unroll(hwi)
+        sch.vectorize(ocb)
+        sch.decompose_reduction(block, ico)
+        _vectorize_epilogue(sch, epilogue)
+        _partition_tails(sch, (hwo, positions, reg_w), (par, chunks, reg_c))
         finish_root(sch, params)
         return sch
 
@@ -173,6 +251,30 @@ class Conv2DNCHWc(Rule):
 
 
 PARTITION_HINT = "pragma_loop_partition_hint"  # read by TVM's LoopPartition lowering pass
+
+
+def _flat_plane(sch: s_tir.Schedule, block, params: CPUParams) -> bool:
+    """A 1x1 conv with stride 1 and no padding (it reads a 5-d input of its output's height
+    and width) whose rows tile worse than its plane: the row tile leaves a partial tile or
+    differs from the plane's, and its channel tiles keep every core busy. Where both are the same whole tiles (4 x 2 on 56- and 28-wide
+    rows on AVX2) the rows stay: the same inner loop, and the flat form measured no better."""
+    ivs = sch.get(block).iter_vars
+    if len(ivs) != 8 or int(ivs[6].dom.extent) != 1 or int(ivs[7].dom.extent) != 1:
+        return False
+    chunks, height, width = (int(iv.dom.extent) for iv in ivs[1:4])
+    for region in sch.get(block).reads:
+        buf = region.buffer if hasattr(region, "buffer") else region.source
+        if len(buf.shape) == 5 and tuple(int(d) for d in buf.shape[2:4]) != (height, width):
+            return False
+    rows = register_tile(width, chunks, params)
+    flat = register_tile(height * width, chunks, params, flat=True)
+    batch = int(ivs[0].dom.extent)
+    if -(-chunks // flat[1]) * batch < FLAT_PARALLEL * params.cores:
+        return False  # the flat form's parallel loop (channel tiles x batch) would be short
+    return bool(width % rows[0]) or rows != flat
+
+
+FLAT_PARALLEL = 4  # the flat form's parallel iterations per core at least
 
 
 def _int32_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
