@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -36,11 +37,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class RuleRecord:
+    """A task's schedule from the rules, as measured before the search (``seconds`` None:
+    it could not be measured, ``note`` says why; ``stored`` False: the database had it already)."""
+
+    task: str
+    rule: Optional[str]
+    seconds: Optional[float] = None
+    stored: bool = False
+    note: str = ""
+
+
+@dataclass
 class TuneResult:
     database: Path
     tasks: int
     trials: int
     seconds: float
+    rule_records: list[RuleRecord] = dataclasses.field(default_factory=list)  # the rules' schedules, measured first
 
 
 def _progress_callback(bar, budget: Optional[float], start: float, counted: list[int]):
@@ -65,6 +79,104 @@ def _progress_callback(bar, budget: Optional[float], start: float, counted: list
                         task_scheduler.terminate_task(k)
 
     return _Progress()
+
+
+def _replays(sch, workload) -> bool:
+    """The schedule's trace, replayed on the workload as MetaSchedule does (from its JSON
+    form, as the database stores it), gives the same kernel."""
+    import tvm
+    from tvm import s_tir
+
+    replay = s_tir.Schedule(workload)
+    s_tir.Trace.apply_json_to_schedule(sch.trace.as_json(), replay)
+    try:
+        tvm.ir.assert_structural_equal(replay.mod, sch.mod)
+    except ValueError:
+        return False
+    return True
+
+
+def _holds_trace(database, workload, sch) -> bool:
+    """The database has a measured record of ``workload`` with the same trace already."""
+    text = str(sch.trace)
+    return any(str(r.trace) == text for r in database.get_top_k(workload, 1 << 16))
+
+
+def seed_rule_records(tasks: Sequence[Any], database, *, target, builder, runner) -> list[RuleRecord]:
+    """Measure every task's schedule from the rules with the tune's builder and runner and
+    commit it to ``database`` as a tuning record (see the module docstring); returns what
+    happened per task. A schedule that cannot become a record (no rule, a trace that does
+    not replay, a failed build or run) is logged and left out."""
+    import tvm.s_tir.meta_schedule as ms
+
+    from .schedules.apply import RULE_MARK, rule_schedule
+    from .schedules.base import CPUParams
+
+    out: list[RuleRecord] = []
+    if target.kind.name != "llvm":  # the rules are CPU rules (GPU targets: dlight's, applied by TVM)
+        return out
+    params = CPUParams.of(target)
+    pending = []  # (RuleRecord, workload module, schedule)
+    for task in tasks:
+        workload = task.dispatched[0]  # the module MetaSchedule tunes and ``compile`` queries
+        sch, rule = rule_schedule(workload["main"], params, target)
+        rec = RuleRecord(task.task_name, rule)
+        out.append(rec)
+        if sch is None:
+            rec.note = "no rule applies"
+        else:
+            sch.annotate(sch.get_sblock("root", func_name="main"), RULE_MARK, rule)
+            if not _replays(sch, workload):
+                rec.note = "its trace does not replay on the workload"
+            elif database.has_workload(workload) and _holds_trace(database, database.commit_workload(workload), sch):
+                rec.note = "already in the database"
+            else:
+                pending.append((rec, workload, sch))
+        if rec.note:
+            log.info("task %s (%s): the rule's schedule is not measured: %s", rec.task, rule or "-", rec.note)
+    if not pending:
+        return out
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, _, sch in pending])
+    runs: list[Any] = []
+    for (rec, workload, sch), b in zip(pending, built):
+        if b.error_msg is not None:
+            rec.note = f"build failed: {b.error_msg.strip().splitlines()[-1] if b.error_msg.strip() else '?'}"
+            continue
+        args = ms.arg_info.ArgInfo.from_prim_func(workload["main"])
+        runs.append((rec, workload, sch, b, args))
+    device = {"llvm": "cpu"}.get(target.kind.name, target.kind.name)
+    futures = runner.run([ms.runner.RunnerInput(b.artifact_path, device, args) for *_, b, args in runs]) if runs else []
+    for (rec, workload, sch, b, args), future in zip(runs, futures):
+        result = future.result()
+        ms.utils.remove_build_dir(b.artifact_path)
+        secs = [float(x) for x in (result.run_secs or [])]
+        if result.error_msg is not None or not secs or max(secs) >= 1e9:
+            error = (result.error_msg or "no time").strip().splitlines()
+            rec.note = f"run failed: {error[-1] if error else '?'}"
+            continue
+        database.commit_tuning_record(
+            ms.database.TuningRecord(sch.trace, database.commit_workload(workload), run_secs=result.run_secs, target=target, args_info=args)
+        )
+        rec.seconds, rec.stored = sum(secs) / len(secs), True
+    for rec in out:
+        if rec.stored:
+            log.info("task %s: the rule %s measured %.3f ms, stored as the first record", rec.task, rec.rule, rec.seconds * 1e3)
+        elif rec.note.startswith(("build failed", "run failed")):
+            log.warning("task %s: the rule's schedule (%s) is not a record: %s", rec.task, rec.rule, rec.note)
+    return out
+
+
+def build_kernel(mod, target, _params):
+    """MetaSchedule's default build (``default_build`` of its ``LocalBuilder``) without the
+    import of every tensor intrinsic it starts with (``tvm.s_tir.tensor_intrin``): a fresh
+    builder pool, that is every batch of candidates, paid 50 s of CPU for it on a loaded
+    2-core machine, more than the builds themselves. Building a scheduled kernel does not
+    look intrinsics up (a tensorized block already holds the intrinsic's body). Runs in
+    MetaSchedule's builder worker process."""
+    from tvm.driver import build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
 def alloc_random_arguments(session, device, args_info, alloc_repeat: int):
@@ -109,6 +221,29 @@ def _unnamed_handlers_detached(logger_name: str):
             logger.addHandler(h)
 
 
+def compile_module(model: Any, spec, *, tactics: str = "auto", input_shapes: Optional[Mapping[str, Sequence[int]]] = None):
+    """(the Relax module ``compile`` hands to the pipeline for ``model``, the target MetaSchedule
+    tunes it for: the preset's, with ``num-cores``, which MetaSchedule needs)."""
+    import tvm
+
+    from ..planner import plan as make_plan
+    from .build import lift_weights, relax_module, safe_param_names
+    from .tactics import apply_tactics
+
+    tgt = spec.tvm_target()
+    if tgt.kind.name == "llvm" and "num-cores" not in spec.target:  # MetaSchedule needs the core count
+        import psutil
+
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        with_cores = {**spec.target, "num-cores": cores}
+        tgt = tvm.target.Target(with_cores, host=spec.host) if spec.host else tvm.target.Target(with_cores)
+    p = make_plan(model, input_shapes=input_shapes)
+    mod, params, _ = relax_module(model, plan=p, fuse=True, input_shapes=input_shapes)
+    mod, _ = apply_tactics(mod, params, spec, tactics=tactics)
+    mod, _ = lift_weights(mod, params)
+    return safe_param_names(mod), tgt
+
+
 def tune_model(
     model: Any,
     *,
@@ -129,10 +264,7 @@ def tune_model(
     from tqdm import tqdm
 
     from ..lowering import LayerfusePipeline
-    from ..planner import plan as make_plan
-    from .build import lift_weights, relax_module, safe_param_names
     from .presets import resolve
-    from .tactics import apply_tactics
 
     if trials < 1:
         raise UsageError(f"--trials {trials}: expected a positive number of measurements")
@@ -146,18 +278,7 @@ def tune_model(
             "install it with `pip install xgboost-cpu`"
         ) from None
     spec = resolve(target, arch=arch)
-    tgt = spec.tvm_target()
-    if tgt.kind.name == "llvm" and "num-cores" not in spec.target:  # MetaSchedule needs the core count
-        import psutil
-
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        with_cores = {**spec.target, "num-cores": cores}
-        tgt = tvm.target.Target(with_cores, host=spec.host) if spec.host else tvm.target.Target(with_cores)
-    p = make_plan(model, input_shapes=input_shapes)
-    mod, params, _ = relax_module(model, plan=p, fuse=True, input_shapes=input_shapes)
-    mod, _ = apply_tactics(mod, params, spec, tactics=tactics)
-    mod, _ = lift_weights(mod, params)
-    mod = safe_param_names(mod)
+    mod, tgt = compile_module(model, spec, tactics=tactics, input_shapes=input_shapes)
     with tgt:
         lowered = tvm.transform.Sequential(LayerfusePipeline(tgt, stop_after="InPlaceConcat").passes())(mod)
     tasks = ms.relax_integration.extract_tasks(lowered, tgt)
@@ -166,7 +287,7 @@ def tune_model(
     work_dir = database_dir(spec.target, spec.host)
     work_dir.mkdir(parents=True, exist_ok=True)
     # generous timeouts: a loaded 2-core build machine needs tens of seconds per popen worker
-    builder = ms.builder.LocalBuilder(timeout_sec=180)
+    builder = ms.builder.LocalBuilder(timeout_sec=180, f_build=build_kernel)
     runner: Any = ms.runner.LocalRunner(timeout_sec=60)
     if rpc or tracker:
         if not key:
@@ -189,6 +310,8 @@ def tune_model(
     ):
         with _unnamed_handlers_detached("tvm.s_tir.meta_schedule"):
             contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
+        database = ms.database.JSONDatabase(work_dir=str(work_dir), allow_missing=True)
+        seeded = seed_rule_records(tasks, database, target=tgt, builder=builder, runner=runner)
         ms.tune_tasks(
             tasks=contexts,
             task_weights=weights,
@@ -199,9 +322,10 @@ def tune_model(
             num_trials_per_iter=max(8, min(64, trials // len(contexts))),
             builder=builder,
             runner=runner,
+            database=database,
             measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(bar, budget, start, counted)],
         )
         done = counted[0]
     seconds = time.monotonic() - start
     log.info("tuned %d tasks, %d trials in %.0f s; database %s", len(tasks), done, seconds, work_dir)
-    return TuneResult(database=work_dir, tasks=len(tasks), trials=done, seconds=seconds)
+    return TuneResult(database=work_dir, tasks=len(tasks), trials=done, seconds=seconds, rule_records=seeded)
