@@ -1,0 +1,205 @@
+"""tune starts from the schedule rules: each task's rule schedule is measured and stored as a
+tuning record before the search, and ``compile`` applies the fastest record of each kernel
+(the rule's own when nothing measured faster). Structural checks only, no timings."""
+
+import json
+import shutil
+
+import onnx
+import pytest
+
+from graphs import rel_err
+from tvm_layerfuse.compile.build import compile_model
+from tvm_layerfuse.compile.presets import resolve
+from tvm_layerfuse.compile.schedules.apply import FROM_DATABASE, RULE_MARK, TUNED
+from tvm_layerfuse.compile.tune import _replays, compile_module, seed_rule_records, tune_model
+from tvm_layerfuse.compile.tune_database import database_dir
+from tvm_layerfuse.lowering import LayerfusePipeline
+from tvm_layerfuse.runtime import load
+from tvm_layerfuse.testing import random_inputs, run_onnxruntime
+from tvm_layerfuse.testing._builder import NetBuilder
+
+
+def _one_conv() -> onnx.ModelProto:
+    b = NetBuilder("tune_rules", seed=11)
+    x = b.input("x", (1, 8, 10, 10))
+    return b.build([b.relu(b.conv(x, 8, 3, pad=1))])
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A one-conv model tuned with 2 trials (``--tactics tvm``) into a cache of its own:
+    (model path, cache folder, TuneResult)."""
+    root = tmp_path_factory.mktemp("tune_rules")
+    path = root / "m.onnx"
+    onnx.save(_one_conv(), str(path))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TVM_LAYERFUSE_CACHE", str(root / "cache"))
+        result = tune_model(path, trials=2, tactics="tvm", progress=False)
+    return path, root / "cache", result
+
+
+def _tasks(path):
+    """{kernel name: its workload module, as MetaSchedule tunes it}, and the tuning target."""
+    import tvm
+    import tvm.s_tir.meta_schedule as ms
+
+    mod, tgt = compile_module(onnx.load(str(path)), resolve("cpu"), tactics="tvm")
+    with tgt:
+        lowered = tvm.transform.Sequential(LayerfusePipeline(tgt, stop_after="InPlaceConcat").passes())(mod)
+    return {t.task_name: t.dispatched[0] for t in ms.relax_integration.extract_tasks(lowered, tgt)}, mod, tgt
+
+
+def _records(db, workload) -> list:
+    import tvm
+
+    def same(a, b) -> bool:
+        try:
+            tvm.ir.assert_structural_equal(a, b)
+        except ValueError:
+            return False
+        return True
+
+    return [r for r in db.get_all_tuning_records() if same(r.workload.mod, workload)]
+
+
+def _mean(record) -> float:
+    return sum(float(x) for x in record.run_secs) / len(record.run_secs)
+
+
+def _bare(func):
+    for key in list(func.attrs.keys()) if func.attrs is not None else []:
+        func = func.without_attr(key)
+    return func
+
+
+def _replayed(workload, record):
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(workload)
+    record.trace.apply_to_schedule(sch, remove_postproc=False)
+    return sch.mod["main"]
+
+
+def _applied(mod, tgt, db_dir):
+    """(each kernel as ``compile`` schedules it with the database, the schedule report)."""
+    from tvm import tirx
+
+    pipe = LayerfusePipeline(tgt, database=str(db_dir), stop_after="LayerfuseSchedules")
+    out = pipe(mod)
+    funcs = {gv.name_hint: f for gv, f in out.functions_items() if isinstance(f, tirx.PrimFunc)}
+    return funcs, pipe.schedule_report
+
+
+def _check_fastest_applied(path, db_dir):
+    """Every task's applied kernel is its fastest record replayed on the workload; returns
+    {kernel: (the fastest record, reported rule)}."""
+    import tvm
+    import tvm.s_tir.meta_schedule as ms
+
+    tasks, mod, tgt = _tasks(path)
+    db = ms.database.JSONDatabase(work_dir=str(db_dir), allow_missing=False)
+    applied, report = _applied(mod, tgt, db_dir)
+    best = {}
+    for name, workload in tasks.items():
+        records = [r for r in _records(db, workload) if r.run_secs and max(float(x) for x in r.run_secs) < 1e9]
+        assert records, name
+        fastest = min(records, key=_mean)
+        tvm.ir.assert_structural_equal(_bare(applied[name]), _bare(_replayed(workload, fastest)))
+        best[name] = (fastest, report.kernels[name].rule)
+    return best
+
+
+def test_the_rules_schedule_is_the_first_record_and_the_fastest_record_is_applied(tuned):
+    path, cache, result = tuned
+    conv = [r for r in result.rule_records if "conv2d" in r.task]
+    assert len(conv) == 1 and conv[0].stored and conv[0].rule.startswith("conv2d"), result.rule_records
+    assert conv[0].seconds > 0 and all(r.stored for r in result.rule_records), result.rule_records
+    best = _check_fastest_applied(path, result.database)
+    for name, (record, rule) in best.items():
+        marked = RULE_MARK in str(record.trace)
+        expected_rule = next(r.rule for r in result.rule_records if r.task == name)
+        # the report says truthfully where the kernel's schedule came from
+        assert rule == (FROM_DATABASE.format(rule=expected_rule) if marked else TUNED), (name, rule)
+    # 2 trials cannot reach every task: an unsearched task's only record is the rule's
+    assert any(rule.endswith("(tuning database)") for _, rule in best.values()), best
+    import tvm.s_tir.meta_schedule as ms
+
+    tasks, _, _ = _tasks(path)
+    db = ms.database.JSONDatabase(work_dir=str(result.database), allow_missing=False)
+    for name, workload in tasks.items():  # the rule's record is there for every task, measured
+        rule_records = [r for r in _records(db, workload) if RULE_MARK in str(r.trace)]
+        assert rule_records and all(0 < _mean(r) < 1e9 for r in rule_records), name
+
+
+def test_a_second_run_does_not_store_the_rules_schedule_again(tuned):
+    import tvm.s_tir.meta_schedule as ms
+
+    path, _, result = tuned
+    tasks, _, tgt = _tasks(path)
+    before = (result.database / "database_tuning_record.json").read_text()
+    db = ms.database.JSONDatabase(work_dir=str(result.database), allow_missing=False)
+
+    class _Tasks:  # what seed_rule_records reads of MetaSchedule's ExtractedTask
+        def __init__(self, name, mod):
+            self.task_name, self.dispatched = name, [mod]
+
+    # nothing is left to measure, so neither a builder nor a runner is needed
+    again = seed_rule_records([_Tasks(n, m) for n, m in tasks.items()], db, target=tgt, builder=None, runner=None)
+    assert [r.note for r in again] == ["already in the database"] * len(tasks), again
+    assert (result.database / "database_tuning_record.json").read_text() == before
+
+
+def test_a_faster_searched_record_wins_over_the_rules(tuned, tmp_path, monkeypatch):
+    """A record from TVM's default design space, stored with a shorter time than the rule's,
+    is what compile applies (reported as ``metaschedule``), and the model stays correct."""
+    import tvm.s_tir.meta_schedule as ms
+
+    path, cache, result = tuned
+    shutil.copytree(cache, tmp_path / "cache")
+    monkeypatch.setenv("TVM_LAYERFUSE_CACHE", str(tmp_path / "cache"))
+    db_dir = database_dir(resolve("cpu").target, resolve("cpu").host)
+    assert db_dir.is_dir() and db_dir != result.database
+    tasks, _, tgt = _tasks(path)
+    name, workload = next((n, w) for n, w in tasks.items() if "conv2d" in n)
+    db = ms.database.JSONDatabase(work_dir=str(db_dir), allow_missing=False)
+    fastest = min(_mean(r) for r in _records(db, workload))
+    ctx = ms.TuneContext(workload, target=tgt, space_generator="post-order-apply", task_name=name)
+    space = ctx.generate_design_space()[0]  # TVM's own multi-level tiling, decisions sampled
+    space.enter_postproc()  # as MetaSchedule does before its postprocessors
+    for post in ctx.space_generator.postprocs:
+        assert post.apply(space)
+    db.commit_tuning_record(
+        ms.database.TuningRecord(
+            space.trace,
+            db.commit_workload(workload),
+            run_secs=[fastest / 2],
+            target=tgt,
+            args_info=ms.arg_info.ArgInfo.from_prim_func(workload["main"]),
+        )
+    )
+    best = _check_fastest_applied(path, db_dir)
+    assert RULE_MARK not in str(best[name][0].trace) and best[name][1] == TUNED, best[name]
+    out = compile_model(path, tmp_path / "art", tactics="tvm", progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["schedules"]["kernels"][name]["rule"] == TUNED, manifest["schedules"]["kernels"]
+    model = onnx.load(str(path))
+    feeds = random_inputs(model, 5)
+    for e, g in zip(run_onnxruntime(model, feeds), load(out).run(feeds).values()):
+        assert rel_err(g, e) <= 1e-4
+
+
+def test_a_trace_is_stored_only_if_it_replays_on_its_workload(tuned):
+    """The check that keeps a rule step MetaSchedule could not re-apply out of the database:
+    the conv rule's trace replays on the conv's workload, not on another kernel's."""
+    from tvm_layerfuse.compile.schedules.apply import rule_schedule
+    from tvm_layerfuse.compile.schedules.base import CPUParams
+
+    path, _, _ = tuned
+    tasks, _, tgt = _tasks(path)
+    conv = next(w for n, w in tasks.items() if "conv2d" in n)
+    other = next(w for n, w in tasks.items() if "conv2d" not in n)
+    sch, rule = rule_schedule(conv["main"], CPUParams.of(tgt), tgt)
+    assert rule is not None and len(sch.trace.insts) > 10
+    assert _replays(sch, conv)
+    assert not _replays(sch, other)
