@@ -253,6 +253,23 @@ def _unnamed_handlers_detached(logger_name: str):
             logger.addHandler(h)
 
 
+def measurers(*, rpc: Optional[str] = None, tracker: Optional[str] = None, key: Optional[str] = None):
+    """(MetaSchedule builder, runner) of a tune: built here, measured here or on the board."""
+    import tvm.s_tir.meta_schedule as ms
+
+    # generous timeouts: a loaded 2-core build machine needs tens of seconds per popen worker
+    builder = ms.builder.LocalBuilder(timeout_sec=180, f_build=build_kernel)
+    if not (rpc or tracker):
+        return builder, ms.runner.LocalRunner(timeout_sec=60)
+    if not key:
+        raise UsageError("--rpc/--tracker need --key KEY, the device key the boards registered with")
+    host, _, port = (tracker or rpc).rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--{'tracker' if tracker else 'rpc'} {tracker or rpc!r}: expected HOST:PORT")
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=60)
+    return builder, ms.runner.RPCRunner(rpc_config=config, f_alloc_argument=alloc_random_arguments)
+
+
 def compile_module(model: Any, spec, *, tactics: str = "auto", input_shapes: Optional[Mapping[str, Sequence[int]]] = None):
     """(the Relax module ``compile`` hands to the pipeline for ``model``, the target MetaSchedule
     tunes it for: the preset's, with ``num-cores``, which MetaSchedule needs)."""
@@ -318,17 +335,7 @@ def tune_model(
         raise UsageError("the model has no kernel left for TVM to tune (every layer runs on a tactic library)")
     work_dir = database_dir(spec.target, spec.host)
     work_dir.mkdir(parents=True, exist_ok=True)
-    # generous timeouts: a loaded 2-core build machine needs tens of seconds per popen worker
-    builder = ms.builder.LocalBuilder(timeout_sec=180, f_build=build_kernel)
-    runner: Any = ms.runner.LocalRunner(timeout_sec=60)
-    if rpc or tracker:
-        if not key:
-            raise UsageError("--rpc/--tracker need --key KEY, the device key the boards registered with")
-        host, _, port = (tracker or rpc).rpartition(":")
-        if not host or not port.isdigit():
-            raise UsageError(f"--{'tracker' if tracker else 'rpc'} {tracker or rpc!r}: expected HOST:PORT")
-        config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key, session_timeout_sec=60)
-        runner = ms.runner.RPCRunner(rpc_config=config, f_alloc_argument=alloc_random_arguments)
+    builder, runner = measurers(rpc=rpc, tracker=tracker, key=key)
     # MetaSchedule's own lines (its console log handlers, the C++ side's warnings on fd 2) go
     # to this module's debug log; its complete logs stay in the database's logs/ folder. The
     # bar is drawn on a duplicate of the terminal's stderr, which the redirection leaves alone.
