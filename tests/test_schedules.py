@@ -42,6 +42,10 @@ CONVS = [
     ("blocked_k3_pad_prime_width", (16, 19, 19), 16, 3, 1, 1, 1),  # 19 columns: no divisor fits a tile
     ("blocked_k5_pad", (16, 9, 9), 16, 5, 1, 2, 1),
     ("blocked_k7_stride2", (16, 23, 23), 32, 7, 2, 3, 1),
+    # partial register tiles: on AVX2 13 columns x 5 channel blocks in 2 x 3 tiles (a last tile of
+    # 1 column, 2 blocks), 27 x 5 in 4 x 2 (3 columns, 1 block); on NEON 13 x 10 in 5 x 3 (3 x 1)
+    ("blocked_k3_pad_tail_w13", (16, 13, 13), 40, 3, 1, 1, 1),
+    ("blocked_pointwise_tail_w27", (8, 27, 27), 40, 1, 1, 0, 1),
 ]
 BLOCKED_RULE = "conv2d NCHWc"
 
@@ -66,10 +70,10 @@ def _conv_zoo() -> onnx.ModelProto:
     y = b.avgpool(y, 3, 1, 1, count_include_pad=False)
     outputs.append(b.linear(b.flatten(b.global_avgpool(y)), 10))
     # MobileNet's inverted residual: the depthwise convs between blocked convs are blocked too
-    x = b.input("x_mobile", (1, 16, 15, 15))
+    x = b.input("x_mobile", (1, 16, 19, 19))  # 19 columns: partial tiles (AVX2: 4 x 2 tiles, 7 + 7 + 5 depthwise)
     y = b.clip(b.conv(x, 32, 1))
     y = b.clip(b.conv(y, 32, 3, pad=1, groups=32))
-    y = b.clip(b.conv(y, 32, 3, stride=2, pad=1, groups=32))  # 15 -> 8 columns
+    y = b.clip(b.conv(y, 32, 3, stride=2, pad=1, groups=32))  # 19 -> 10 columns
     outputs.append(b.conv(y, 16, 1))
     return b.build(outputs)
 
@@ -380,6 +384,144 @@ def test_the_conv_rule_uses_the_target_vector_width(target, isa, lanes, width):
     assert f"T.vectorized(T.int64({width}))" in text, text
 
 
+AVX2 = {"isa": "avx2", "lanes": 8, "registers": 16}
+
+
+@pytest.mark.parametrize(
+    "params, width, chunks, tile",
+    [
+        (AVX2, 56, 8, (4, 2)),  # divisors where they are as good as any: unchanged
+        (AVX2, 28, 16, (4, 2)),
+        (AVX2, 14, 32, (2, 4)),
+        (AVX2, 13, 125, (2, 4)),  # SqueezeNet's last conv: 7 tiles of 2 columns (the last 1), 32 of 4 blocks (the last 1)
+        (AVX2, 27, 16, (4, 2)),  # 3 x 2 divides 27 but loads 5 vectors per 6 FMAs
+        (AVX2, 55, 8, (4, 2)),  # 5 x 1 divides 55: 5 FMAs per 6 loads
+        (AVX2, 13, 5, (2, 3)),
+        (AVX2, 7, 64, (4, 2)),
+        (AVX2, 19, 1, (7, 1)),  # one channel block (a depthwise conv): 7 + 7 + 5 columns
+        (AVX2, 15, 1, (5, 1)),  # 8 + 7 scores as 5 + 5 + 5, which has no partial tile
+        (AVX2, 3, 2, (3, 2)),
+        ({"isa": "neon", "lanes": 4, "registers": 32}, 13, 125, (5, 3)),
+        ({"isa": "neon", "lanes": 4, "registers": 32}, 56, 16, (4, 4)),
+    ],
+)
+def test_register_tile_scores_loads_and_the_partial_tile(params, width, chunks, tile):
+    """The tile of the most FMAs per load times the fraction of its slots that hold outputs,
+    within half the vector registers as accumulators; it need not divide the row or the
+    channel blocks."""
+    from tvm_layerfuse.compile.schedules.base import CPUParams
+    from tvm_layerfuse.compile.schedules.conv2d_nchwc import register_tile
+
+    p = CPUParams(cores=2, **params)
+    w, c = register_tile(width, chunks, p)
+    assert (w, c) == tile
+    assert w <= width and c <= chunks and w * c <= p.registers // 2 and w * c + c + 1 <= p.registers
+
+
+def _lowered_blocked_conv(cin: int, width: int, cout: int, kernel: int, pad: int):
+    """A blocked conv + bias + ReLU (NCHW8c) legalized and fused as the pipeline does (int64
+    indices), scheduled by the rule for AVX2 and compiled by TVM's default pipeline: (the
+    kernel as TVM's lowering leaves it after ``LoopPartition``, ``UnrollLoop`` and
+    ``Simplify``, its register tile, the compiled library, the argument shapes)."""
+    import tvm
+    from tvm import relax, tirx
+
+    from tvm_layerfuse.compile.schedules.base import CPUParams
+    from tvm_layerfuse.compile.schedules.conv2d_nchwc import Conv2DNCHWc, register_tile
+    from tvm_layerfuse.lowering.blocked_conv import LegalizeBlockedConv
+
+    tgt = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
+    params = CPUParams.of(tgt)
+    chunks = cout // 8
+    shapes = [(1, cin // 8, width, width, 8), (chunks, cin // 8, kernel, kernel, 8, 8), (1, chunks, 1, 1, 8)]
+    bb = relax.BlockBuilder()
+    x, w, b = (relax.Var(n, relax.TensorType(s, "float32")) for n, s in zip(("data", "weight", "bias"), shapes))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, w, padding=pad, data_layout="NCHW8c", kernel_layout="OIHW8i8o"))
+            o = bb.emit_output(relax.op.nn.relu(relax.op.add(y, b)))
+        bb.emit_func_output(o)
+    passes = [LegalizeBlockedConv(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    with tgt:
+        mod = tvm.transform.Sequential(passes)(bb.get())
+    (func,) = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+    sch = Conv2DNCHWc().apply(func, params, tgt)
+    tile = register_tile(width + 2 * pad - kernel + 1, chunks, params)
+    out_shape = (1, chunks, width + 2 * pad - kernel + 1, width + 2 * pad - kernel + 1, 8)
+
+    seen = []
+
+    @tvm.instrument.pass_instrument
+    class AfterRemoveNoOp:  # the last one runs after UnrollLoop and StmtSimplify
+        def run_after_pass(self, mod, info):
+            if info.name == "tirx.RemoveNoOp":
+                seen.append(mod["main"])
+
+    with tvm.transform.PassContext(instruments=[AfterRemoveNoOp()]):
+        lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=tgt)
+    return seen[-1], tile, lib, shapes + [out_shape]
+
+
+def _fmas(func) -> tuple[int, int]:
+    """(weight loads, those under an ``if`` or in a select) in a lowered kernel's script: in
+    the conv's update every statement loads one weight vector, for one FMA."""
+    total = guarded = 0
+    open_ifs: list[int] = []  # indents of the enclosing if/else blocks
+    for line in func.script().splitlines():
+        indent = len(line) - len(line.lstrip())
+        while open_ifs and indent <= open_ifs[-1]:
+            open_ifs.pop()
+        if re.match(r"(if|elif|else)\b", line.strip()):
+            open_ifs.append(indent)
+        n = len(re.findall(r"\bweight(_\d+)?\[", line))
+        total += n
+        guarded += n if open_ifs or "if_then_else" in line else 0
+    return total, guarded
+
+
+@pytest.mark.parametrize(
+    "shape, tile",
+    [
+        ((16, 13, 40, 3, 1), (2, 3)),  # a last tile of 1 column, one of 2 channel blocks
+        ((8, 27, 40, 1, 0), (4, 2)),  # 3 columns, 1 block
+        ((16, 10, 16, 3, 1), (4, 2)),  # 10 = 4 + 4 + 2 columns, the blocks divide
+    ],
+)
+def test_partial_tiles_run_unpredicated_and_whole(shape, tile):
+    """A tile that divides neither the row nor the channel blocks: after TVM's lowering no FMA
+    is under a condition (the full tiles and the partial last ones are loops of their own),
+    and the unrolled FMAs are exactly the tiles' (full + partial) per reduction step: none
+    wasted, none missing. The kernel computes the conv."""
+    import tvm
+
+    cin, width, cout, kernel, pad = shape
+    func, got_tile, lib, shapes = _lowered_blocked_conv(cin, width, cout, kernel, pad)
+    assert got_tile == tile
+    total, guarded = _fmas(func)
+    assert guarded == 0, func.script()
+    w, c = tile
+    chunks, icb, out_w = cout // 8, 8, shapes[-1][3]
+    # per (reduction step of ic_0, kh, kw) x (channel-tile kind) x (column-tile kind): icb * cols * blocks FMAs
+    col_kinds = [w] + ([out_w % w] if out_w % w else [])
+    blk_kinds = [c] + ([chunks % c] if chunks % c else [])
+    assert total == sum(icb * a * b for a in col_kinds for b in blk_kinds), func.script()
+
+    rng = np.random.default_rng(2)
+    args = [rng.standard_normal(s).astype(np.float32) for s in shapes[:-1]]
+    out = np.full(shapes[-1], np.nan, np.float32)
+    res = tvm.runtime.tensor(out)
+    lib["main"](*[tvm.runtime.tensor(a) for a in args], res)
+    data, weight, bias = args
+    padded = np.pad(data, [(0, 0), (0, 0), (pad, pad), (pad, pad), (0, 0)])
+    ref = np.zeros_like(out)
+    for ry in range(kernel):
+        for rx in range(kernel):
+            window = padded[:, :, ry : ry + out_w, rx : rx + out_w, :]  # [n, C_o, y, x, c_i]
+            ref += np.einsum("ncyxi,ocij->noyxj", window, weight[:, :, ry, rx])
+    ref = np.maximum(ref + bias, 0)
+    assert _rel_err(ref, res.numpy()) <= RTOL
+
+
 def test_blocked_layout_transforms_each_activation_once():
     """Two blocked convs exchange a blocked tensor (no transform between them); the two
     grouped convs that stay NCHW read one transform of it, not one each; the blocked
@@ -482,3 +624,76 @@ def test_blocked_graph_transforms_only_at_its_edges(tmp_path):
     (ref,) = run_onnxruntime(model, feeds)
     got = next(iter(runtime.load(art, device="cpu").run(feeds).values()))
     assert _rel_err(ref, got) <= RTOL and float(np.abs(ref).max()) > 0
+
+
+def _dense_block(seed: int = 5) -> onnx.ModelProto:
+    """DenseNet's pattern at small size: a stem, two dense layers (BatchNorm + ReLU before a
+    1x1 conv, whose own BatchNorm + ReLU fold into it, then a 3x3 conv) whose outputs grow one
+    concat, a transition (BatchNorm + ReLU before a 1x1 conv, then an average pool) and a
+    pre-activation 3x3 conv with padding (ResNet-v2's form)."""
+    b = NetBuilder("dense_blocked", seed=seed)
+    x = b.input("x", (1, 8, 12, 12))
+    stem = b.relu(b.conv(x, 16, 3, pad=1))
+    features = [stem]
+    for _ in range(2):
+        cat = b.concat(features) if len(features) > 1 else features[0]
+        mid = b.relu(b.batchnorm(b.conv(b.relu(b.batchnorm(cat)), 32, 1, bias=False)))
+        features.append(b.conv(mid, 8, 3, pad=1, bias=False))
+    cat = b.concat(features)  # 32 channels
+    trans = b.avgpool(b.conv(b.relu(b.batchnorm(cat)), 16, 1, bias=False), 2, 2)
+    pre = b.conv(b.relu(b.batchnorm(trans)), 16, 3, pad=1)
+    pooled = b.avgpool(b.maxpool(pre, 3, 1, 1), 3, 1, 1, count_include_pad=False)  # padded blocked pools
+    return b.build([b.global_avgpool(b.add(pooled, pre))])
+
+
+def test_prologue_groups_run_blocked(tmp_path):
+    """On the TVM path a BatchNorm + ReLU prologue group keeps its prologue and runs blocked:
+    every conv is NCHW8c, each prologue group's input is a blocked tensor, the normalisation
+    goes into the padding stage of a padded conv and stays one pass before an unpadded one
+    (never inside the multiply-adds), the concats stay in place, and the numbers (padded
+    blocked pools included) match onnxruntime."""
+    from tvm import relax
+
+    from tvm_layerfuse import runtime
+    from tvm_layerfuse.compile.build import relax_module
+    from tvm_layerfuse.compile.presets import resolve
+    from tvm_layerfuse.compile.tactics import apply_tactics
+    from tvm_layerfuse.lowering import layerfuse_pipeline
+    from tvm_layerfuse.planner import plan as make_plan
+    from tvm_layerfuse.relax._ir import tvm_compile
+    from tvm_layerfuse.relax.fuse_prologue import PROLOGUE_PREFIX
+
+    model = _dense_block()
+    onnx.save(model, tmp_path / "m.onnx")
+    mod, params, _ = relax_module(tmp_path / "m.onnx", plan=make_plan(tmp_path / "m.onnx"), fuse=True)
+
+    def prologues(m) -> dict[str, int]:  # prologue group -> rank of its data input
+        return {
+            gv.name_hint: len(f.params[0].ty.shape)
+            for gv, f in m.functions_items()
+            if isinstance(f, relax.Function) and str((f.attrs or {}).get("Composite", "")).startswith(PROLOGUE_PREFIX)
+        }
+
+    plain = prologues(mod)
+    assert len(plain) == 4 and set(plain.values()) == {4}, plain  # two dense layers, the transition, the pre-act conv
+    blocked, tactics = apply_tactics(mod, params, resolve("cpu"), tactics="tvm")
+    assert tactics.blocked_convs == tactics.convs == 7, tactics
+    assert sorted(prologues(blocked).values()) == [5, 5, 5, 5], prologues(blocked)
+
+    tgt = resolve("cpu").tvm_target()
+    pipeline = layerfuse_pipeline(tgt)
+    with tgt:
+        tvm_compile(blocked, target=tgt, relax_pipeline=pipeline)
+    inlined = pipeline.prologue_report.inlined
+    assert not pipeline.prologue_report.kept, pipeline.prologue_report.kept
+    # x * s, + t inlined into the ReLU (kept as a pass) of the three 1x1 convs; all three into the padding of the 3x3
+    assert sorted(len(v) for v in inlined.values()) == [2, 2, 2, 3], inlined
+    rules = {k: v.rule for k, v in pipeline.schedule_report.kernels.items() if k.startswith(PROLOGUE_PREFIX)}
+    assert len(rules) == 4 and set(rules.values()) == {"conv2d NCHWc"}, rules
+
+    art = compile_model(tmp_path / "m.onnx", tmp_path / "art", target="cpu", tactics="tvm", progress=False)
+    assert read_manifest(art)["fusion"]["kernels"]["concat_kernels"] == 0
+    feeds = _feeds(model)
+    (ref,) = run_onnxruntime(model, feeds)
+    got = next(iter(runtime.load(art, device="cpu").run(feeds).values()))
+    assert _rel_err(ref, got) <= RTOL and float(np.abs(ref).std()) > 0

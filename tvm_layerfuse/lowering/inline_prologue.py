@@ -16,7 +16,11 @@ primitive, which substitutes a block's value into its reader) leaves::
 
 so the kernel reads ``x`` (a region of an in-place concat block) once, normalising on the
 fly, and never writes a normalised copy of it; ``pad_temp`` is the conv's own padding
-stage, the same as in any conv. Only PrimFuncs named after a prologue group are touched;
+stage, the same as in any conv. A blocked conv (``conv2d_NCHWc``) pads in ``data_pad``,
+and has no padding stage where its padding is 0: there the chain is inlined into ``relu``,
+which stays a block of its own, a parallel vector pass in the same kernel before the conv
+(inlined into the conv it would be recomputed for every multiply-add; computed per register
+tile it measured slower than the pass). Only PrimFuncs named after a prologue group are touched;
 a block that ``compute_inline`` refuses is left as it was (logged).
 """
 
@@ -44,9 +48,13 @@ class PrologueReport(Report):
     kept: dict = field(default_factory=dict)  # kernel -> [(block, reason)]
 
 
+PADDING = ("pad_temp", "data_pad")  # the padding stage of TOPI's conv2d_nchw / conv2d_NCHWc
+
+
 def _leading_blocks(func) -> list[str]:
-    """Names of the element-wise blocks before the conv: the top-level nests before the first
-    one that has a reduction iter var, except the conv's own padding stage (``pad_temp``)."""
+    """Names of the element-wise blocks to inline: the top-level nests before the first one
+    that has a reduction iter var, except the conv's own padding stage (``pad_temp``, or
+    ``data_pad`` of a blocked conv) and, where there is none, the last of them."""
     root = _tir.root_block(func)
     if root is None:
         return []
@@ -58,7 +66,12 @@ def _leading_blocks(func) -> list[str]:
         if any(int(iv.iter_type) != 0 for iv in nest.block.iter_vars):
             break
         names.append(nest.block.name_hint)
-    return [n for n in names if not n.startswith("pad_temp")]
+    chain = [n for n in names if not n.startswith(PADDING)]
+    if len(chain) == len(names) and chain:
+        # no padding stage (a blocked conv without padding reads its input directly): the
+        # chain is inlined into its last block, which stays a pass before the conv
+        return chain[:-1]
+    return chain
 
 
 @tvm.transform.module_pass(opt_level=0, name="InlinePrologue")

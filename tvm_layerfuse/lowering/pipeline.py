@@ -207,6 +207,11 @@ class LayerfusePipeline:
         return self._concat.report if self._concat is not None else InPlaceReport()
 
     @property
+    def prologue_report(self):
+        """The element-wise blocks each prologue kernel inlined (:class:`.inline_prologue.PrologueReport`)."""
+        return self._prologue.report if self._prologue is not None else None
+
+    @property
     def schedule_report(self):
         """The rule that scheduled each kernel (:class:`..compile.schedules.ScheduleReport`), or None."""
         return self._schedules.report if self._schedules is not None else None

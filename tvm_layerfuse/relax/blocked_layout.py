@@ -21,9 +21,15 @@ parameters: ``LiftTransformParams`` computes them once at compile time.
 The conv groups of :mod:`.fuse_epilogue` (one Relax function per conv + epilogue, called
 from ``main``) would each get their own transforms at their boundaries, weights included,
 run at every inference. So a group whose conv will be blocked (plain conv, channels in whole
-blocks, its input a parameter of the group: not a prologue group) is first inlined into
-``main``; ConvertLayout then sees the whole graph, and :class:`.fuse_epilogue.FuseConv2DEpilogue`
-groups each blocked conv with its epilogue again (the same templates, layout-agnostic).
+blocks, its input a parameter of the group) is first inlined into ``main``; ConvertLayout then
+sees the whole graph, and :class:`.fuse_epilogue.FuseConv2DEpilogue` groups each blocked conv
+with its epilogue again (the same templates, layout-agnostic). A prologue group of
+:mod:`.fuse_prologue` (``conv(relu(x * s + t))``, DenseNet) is inlined the same way, its
+``s`` and ``t`` (``[1, C, 1, 1]``) become ``[1, C/B, 1, 1, B]``, and the normalisation goes
+back in front of its conv as a prologue group on blocked tensors (:func:`_regroup_prologues`,
+for the convs whose weights had one)::
+
+    relu(to_blocked(x) * to_blocked(s) + to_blocked(t))  ==  to_blocked(relu(x * s + t))
 
 The blocked ``conv2d`` is lowered by :class:`..lowering.blocked_conv.LegalizeBlockedConv`
 (TOPI's ``conv2d_NCHWc``) and scheduled by ``compile/schedules/conv2d_nchwc.py``.
@@ -42,7 +48,9 @@ import tvm
 from tvm import relax
 from tvm.relax.utils import copy_with_new_vars
 
-from ._ir import op_name, static_shape
+from ._ir import FunctionFacts, op_name, static_shape
+from .fuse_epilogue import PREFIX
+from .fuse_prologue import PROLOGUE_PREFIX, prologue_group
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +97,7 @@ class BlockedConvLayout:
         self.blocked, self.convs = count_blocked_convs(mod)
         if not self.convs:
             return mod  # no conv: nothing to block (and ConvertLayout has nothing to do)
+        prologue_weights = _prologue_weights(mod, self.lanes)
         inlined, groups = inline_groups(mod, lambda f: _blockable_group(f, self.lanes))
         inlined = _splits_to_slices(inlined)
         try:
@@ -112,19 +121,30 @@ class BlockedConvLayout:
         out = relax.transform.EliminateCommonSubexpr()(out)
         out = _slices_to_split(out)
         self.blocked, self.convs = count_blocked_convs(out)
+        prologues = 0
         if groups:
             out = FuseConv2DEpilogue()(out)  # the inlined conv groups, blocked now
             out = relax.transform.DeadCodeElimination()(out)
-        log.info("blocked layout %s: %d of %d convs (%d conv groups regrouped)", data, self.blocked, self.convs, groups)
+            out, prologues = _regroup_prologues(out, prologue_weights)
+        log.info(
+            "blocked layout %s: %d of %d convs (%d conv groups regrouped, %d with their prologue)",
+            data, self.blocked, self.convs, groups, prologues,
+        )  # fmt: skip
         return out
 
 
 def _blockable_group(func: relax.Function, lanes: int) -> bool:
     """``func`` is a conv group of :mod:`.fuse_epilogue` whose conv will be blocked: a plain
     conv (ConvertLayout) or a depthwise one (:func:`_sink_to_plain`), input and output channels
-    multiples of ``lanes``, its data a parameter (not a prologue group)."""
+    multiples of ``lanes``, its data a parameter; or a prologue group of :mod:`.fuse_prologue`
+    around a plain conv with such channels (its data ``relu(x * s + t)`` of a parameter ``x``)."""
     attrs = func.attrs or {}
-    if not str(attrs.get("Composite", "")).startswith("layerfuse_conv2d") or not func.body.blocks:
+    composite = str(attrs.get("Composite", ""))
+    if not func.body.blocks:
+        return False
+    if composite.startswith(PROLOGUE_PREFIX):
+        return _prologue_conv(func) is not None and _blocked_channels(_prologue_conv(func), lanes)
+    if not composite.startswith(PREFIX):
         return False
     convs = [b.value for b in func.body.blocks[0].bindings if op_name(b.value) == "relax.nn.conv2d"]
     if len(convs) != 1:
@@ -141,6 +161,116 @@ def _blockable_group(func: relax.Function, lanes: int) -> bool:
         and (data[1] % lanes == 0 or (groups == 1 and data[1] < lanes))  # (an image's 3 channels: one narrow block)
         and weight[0] % lanes == 0
     )
+
+
+def _blocked_channels(conv: relax.Call, lanes: int) -> bool:
+    """A plain NCHW conv whose input and output channels are whole blocks."""
+    data, weight = (static_shape(a) for a in conv.args[:2])
+    return (
+        int(conv.attrs.groups) == 1
+        and str(conv.attrs.data_layout) == "NCHW"
+        and data is not None
+        and weight is not None
+        and data[1] % lanes == 0
+        and weight[0] % lanes == 0
+    )
+
+
+def _prologue_conv(func: relax.Function) -> Optional[relax.Call]:
+    """The conv of a prologue group whose data is ``relu(x * s + t)`` of its parameter ``x``."""
+    values = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
+    convs = [v for v in values.values() if op_name(v) == "relax.nn.conv2d"]
+    if len(convs) != 1:
+        return None
+    chain = _prologue_chain(convs[0].args[0], values)
+    return convs[0] if chain is not None and chain[0].same_as(func.params[0]) else None
+
+
+def _prologue_chain(z, values: dict) -> Optional[tuple]:
+    """``(x, s, t)`` where ``z`` is bound to ``relu(x * s + t)`` (the form of
+    :func:`.fuse_prologue.prologue_group`), else None."""
+    relu = values.get(z)
+    if op_name(relu) != "relax.nn.relu":
+        return None
+    add = values.get(relu.args[0])
+    if op_name(add) != "relax.add":
+        return None
+    mul = values.get(add.args[0])
+    if op_name(mul) != "relax.multiply":
+        return None
+    return mul.args[0], mul.args[1], add.args[1]
+
+
+def _prologue_weights(mod: tvm.IRModule, lanes: int) -> set[str]:
+    """Names of the weight parameters of ``main`` read by the convs of blockable prologue
+    groups: after the inlining and ConvertLayout, those convs get their prologue back."""
+    names: set[str] = set()
+    for block in mod["main"].body.blocks:
+        for b in block.bindings:
+            callee = b.value.op if isinstance(b.value, relax.Call) else None
+            func = mod[callee] if isinstance(callee, tvm.ir.GlobalVar) else None
+            if not isinstance(func, relax.Function) or not str((func.attrs or {}).get("Composite", "")).startswith(PROLOGUE_PREFIX):
+                continue
+            conv = _prologue_conv(func) if func.body.blocks else None
+            if conv is None or not _blocked_channels(conv, lanes):
+                continue
+            k = next((i for i, p in enumerate(func.params) if p.same_as(conv.args[1])), None)
+            if k is not None and isinstance(b.value.args[k], relax.Var):
+                names.add(b.value.args[k].name)
+    return names
+
+
+def _regroup_prologues(mod: tvm.IRModule, weights: set[str]) -> tuple[tvm.IRModule, int]:
+    """Each ``relu(x * s + t)`` read only by a blocked conv (bare, or the data of its epilogue
+    group) whose weight is one of ``weights`` becomes that conv's prologue again:
+    ``prologue_group(x, s, t, ...)`` of :mod:`.fuse_prologue`, on blocked tensors
+    (``s``, ``t``: ``[1, C/B, 1, 1, B]``). Returns (module, groups made)."""
+    main = mod["main"]
+    facts = FunctionFacts.of(main)
+    bb = relax.BlockBuilder(mod)
+    made: dict = {}  # the conv's binding var -> the prologue group's call
+    for var, value in facts.var2val.items():
+        if not isinstance(value, relax.Call):
+            continue
+        callee = None
+        if isinstance(value.op, relax.GlobalVar):
+            callee = mod[value.op]
+            if not isinstance(callee, relax.Function) or not str((callee.attrs or {}).get("Composite", "")).startswith(PREFIX):
+                continue
+            convs = [b.value for blk in callee.body.blocks for b in blk.bindings if op_name(b.value) == "relax.nn.conv2d"]
+            if len(convs) != 1 or not convs[0].args[0].same_as(callee.params[0]):
+                continue
+            k = next((i for i, p in enumerate(callee.params) if p.same_as(convs[0].args[1])), None)
+            if k is None:
+                continue
+            weight = value.args[k]
+        elif op_name(value) == "relax.nn.conv2d":
+            weight = value.args[1]
+        else:
+            continue
+        source = facts.var2val.get(weight)
+        param = source.args[0] if op_name(source) == "relax.layout_transform" else weight
+        if not isinstance(param, relax.Var) or param.name not in weights:
+            continue
+        z = value.args[0]
+        chain = _prologue_chain(z, facts.var2val)
+        if chain is None:
+            continue
+        relu = facts.var2val[z]
+        inner = (z, relu.args[0], facts.var2val[relu.args[0]].args[0])  # relu, add, multiply results
+        if any(facts.uses.get(v, 0) != 1 or not isinstance(v, relax.DataflowVar) for v in inner):
+            continue
+        x, s_, t = chain
+        gv, rest = prologue_group(x.ty, s_.ty, callee, value, bb)
+        made[var] = relax.Call(gv, [x, s_, t, *rest])
+    if not made:
+        return mod, 0
+
+    def rebind(b, values):
+        return [relax.VarBinding(b.var, made[b.var])] if b.var in made else None
+
+    out = _map_main(bb.get(), rebind)
+    return relax.transform.DeadCodeElimination()(out), len(made)
 
 
 def inline_groups(mod: tvm.IRModule, which) -> tuple[tvm.IRModule, int]:

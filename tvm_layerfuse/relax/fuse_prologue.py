@@ -166,46 +166,53 @@ class FuseConv2DPrologue:
         """The prologue function for match ``m``; returns its GlobalVar and the caller-side
         arguments after ``(x, s, t)``."""
         x = m["bn"].args[0]
-        c = static_shape(x)[1]
-        xp = relax.Var("x", x.ty)
-        sp = relax.Var("s", relax.TensorType([1, c, 1, 1], x.ty.dtype))
-        tp = relax.Var("t", relax.TensorType([1, c, 1, 1], x.ty.dtype))
-        callee = m["callee"]
-        if callee is None:  # a bare conv2d: the group is (x, s, t, W) around that one call
-            call = m["call"]
-            head = relax.Var("z", x.ty)
-            wp = relax.Var("w", call.args[1].ty)
-            rest, rest_args = [wp], [call.args[1]]
-            y = relax.DataflowVar("y", call.ty)
-            bindings = [(y, relax.Call(call.op, [head, wp], call.attrs, call.ty_args))]
-            result = y
-            name = f"{PROLOGUE_PREFIX}conv2d"
-        else:  # an epilogue group: its body follows the prologue, on fresh variables
-            fresh = relax.utils.copy_with_new_vars(callee)
-            head, rest, rest_args = fresh.params[0], list(fresh.params[1:]), list(m["call"].args[1:])
-            bindings = [(b.var, b.value) for blk in fresh.body.blocks for b in blk.bindings]
-            result = fresh.body.body
-            name = PROLOGUE_PREFIX + str(callee.attrs["Composite"]).removeprefix("layerfuse_")
-        fb = relax.BlockBuilder()
-        with fb.function(name, [xp, sp, tp, *rest], {"Composite": name, "Primitive": True}, private=True):
-            with fb.dataflow():
-                a = fb.emit(relax.op.multiply(xp, sp))  # x * s     [N, C, H, W]
-                a = fb.emit(relax.op.add(a, tp))  # + t
-                z = fb.emit(relax.op.nn.relu(a))
-                mapping = {head: z}
-                sub = SubstituteVars(mapping)
-                out = None
-                for k, (var, value) in enumerate(bindings):
-                    if k == len(bindings) - 1 and result.same_as(var):  # the group's result
-                        out = mapping[var] = fb.emit_output(sub.visit_expr(value))
-                    else:
-                        mapping[var] = fb.emit(sub.visit_expr(value))
-                if out is None:
-                    out = fb.emit_output(sub.visit_expr(result))
-            fb.emit_func_output(out)
-        group = fb.get()[name]
-        gv = bb.add_func(group, name)
-        return gv, rest_args
+        operand = relax.TensorType([1, static_shape(x)[1], 1, 1], x.ty.dtype)
+        return prologue_group(x.ty, operand, m["callee"], m["call"], bb)
+
+
+def prologue_group(data_ty, operand_ty, callee, call, bb: relax.BlockBuilder) -> tuple[relax.GlobalVar, list]:
+    """A prologue function ``(x, s, t, *rest) -> conv(relu(x * s + t), *rest) [epilogue]``
+    added to ``bb``: ``callee`` is the epilogue group ``call`` calls (its data the first
+    parameter), or None for a bare conv2d ``call``; ``data_ty`` the type of ``x`` and
+    ``operand_ty`` that of ``s`` and ``t`` (``[1, C, 1, 1]``, or ``[1, C/B, 1, 1, B]`` in a
+    blocked layout). Returns its GlobalVar and the caller-side arguments after ``(x, s, t)``."""
+    xp = relax.Var("x", data_ty)
+    sp = relax.Var("s", operand_ty)
+    tp = relax.Var("t", operand_ty)
+    if callee is None:  # a bare conv2d: the group is (x, s, t, W) around that one call
+        head = relax.Var("z", data_ty)
+        wp = relax.Var("w", call.args[1].ty)
+        rest, rest_args = [wp], [call.args[1]]
+        y = relax.DataflowVar("y", call.ty)
+        bindings = [(y, relax.Call(call.op, [head, wp], call.attrs, call.ty_args))]
+        result = y
+        name = f"{PROLOGUE_PREFIX}conv2d"
+    else:  # an epilogue group: its body follows the prologue, on fresh variables
+        fresh = relax.utils.copy_with_new_vars(callee)
+        head, rest, rest_args = fresh.params[0], list(fresh.params[1:]), list(call.args[1:])
+        bindings = [(b.var, b.value) for blk in fresh.body.blocks for b in blk.bindings]
+        result = fresh.body.body
+        name = PROLOGUE_PREFIX + str(callee.attrs["Composite"]).removeprefix("layerfuse_")
+    fb = relax.BlockBuilder()
+    with fb.function(name, [xp, sp, tp, *rest], {"Composite": name, "Primitive": True}, private=True):
+        with fb.dataflow():
+            a = fb.emit(relax.op.multiply(xp, sp))  # x * s     [N, C, H, W]
+            a = fb.emit(relax.op.add(a, tp))  # + t
+            z = fb.emit(relax.op.nn.relu(a))
+            mapping = {head: z}
+            sub = SubstituteVars(mapping)
+            out = None
+            for k, (var, value) in enumerate(bindings):
+                if k == len(bindings) - 1 and result.same_as(var):  # the group's result
+                    out = mapping[var] = fb.emit_output(sub.visit_expr(value))
+                else:
+                    mapping[var] = fb.emit(sub.visit_expr(value))
+            if out is None:
+                out = fb.emit_output(sub.visit_expr(result))
+        fb.emit_func_output(out)
+    group = fb.get()[name]
+    gv = bb.add_func(group, name)
+    return gv, rest_args
 
 
 def _conv_of(func: relax.Function) -> Optional[relax.Call]:

@@ -7,7 +7,8 @@ with their epilogue (the average's division, a following activation).
     -> parallel(s.. . s_vec/o)
          init; for r..: acc[s_vec/i] = reduce(acc, in[..])       (vector s_vec/i)
          epilogue(acc) -> out
-    padding: its own parallel, vectorised pass
+    padding: its own parallel, vectorised pass; in a blocked layout (NCHW[x]c, the vector
+             a channel block) read through a bounds check instead
 
 ``s_vec`` is the innermost output axis with more than one element (a pool's output width;
 a global pool's channels).
@@ -21,6 +22,17 @@ from __future__ import annotations
 from tvm import s_tir
 
 from .base import CPUParams, Rule, RuleRefused, extents, finish_root, iter_kinds, root_blocks, tile_reduction
+
+
+def _inline_padding(sch: s_tir.Schedule, block) -> None:
+    """The pool's padding stage read where the pool reads it (a bounds check per load)
+    instead of a padded copy of the whole input written first."""
+    for producer in sch.get_producers(block):
+        if sch.get(producer).name_hint.startswith("pad_temp"):
+            try:
+                sch.compute_inline(producer)
+            except Exception:  # noqa: BLE001 - TVM's ScheduleError: the copy stays
+                pass
 
 
 class Reduction(Rule):
@@ -37,6 +49,8 @@ class Reduction(Rule):
         spatial = [i for i, k in enumerate(kinds) if k == "S" and ext[i] > 1]
         if not spatial:
             raise RuleRefused("a reduction to a single value")
+        if kinds.startswith("SSSSS") and ext[4] == params.lanes:  # a pool in NCHW[x]c
+            _inline_padding(sch, block)  # measured 2-3x faster than the padded copy (3x3 / 1 / 1 pools)
         tile_reduction(sch, block, params, vec_axis=spatial[-1])
         finish_root(sch, params)
         return sch
