@@ -12,7 +12,7 @@ from graphs import rel_err
 from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.compile.presets import resolve
 from tvm_layerfuse.compile.schedules.apply import FROM_DATABASE, RULE_MARK, TUNED
-from tvm_layerfuse.compile.tune import TuneResult, _replays, compile_module, measurers, seed_rule_records, tune_model
+from tvm_layerfuse.compile.tune import NOT_REPLAYED, TuneResult, _replays, compile_module, measurers, seed_rule_records, tune_model
 from tvm_layerfuse.compile.tune_database import database_dir
 from tvm_layerfuse.lowering import LayerfusePipeline
 from tvm_layerfuse.runtime import load
@@ -114,7 +114,11 @@ def _check_fastest_applied(path, db_dir):
     best = {}
     for name, workload in tasks.items():
         records = [r for r in _records(db, workload) if r.run_secs and max(float(x) for x in r.run_secs) < 1e9]
-        assert records, name
+        if not records:  # not tuned: the rule schedules it in compile
+            rule = report.kernels[name].rule
+            assert rule not in (None, TUNED) and not rule.endswith("(tuning database)"), (name, rule)
+            best[name] = (None, rule)
+            continue
         fastest = min(records, key=_mean)
         tvm.ir.assert_structural_equal(_bare(applied[name]), _bare(_replayed(workload, fastest)))
         best[name] = (fastest, report.kernels[name].rule)
@@ -124,7 +128,7 @@ def _check_fastest_applied(path, db_dir):
 def test_the_rules_schedule_is_the_first_record_and_the_fastest_record_is_applied(tuned):
     best = _check_rule_records_and_fastest_applied(*tuned)
     # before any search every task's fastest record is the rule's own
-    assert all(rule.endswith("(tuning database)") for _, rule in best.values()), best
+    assert all(rule.endswith("(tuning database)") for record, rule in best.values() if record is not None), best
 
 
 @pytest.mark.slow
@@ -135,7 +139,8 @@ def test_tune_with_two_trials_keeps_the_rules_record(tmp_path, monkeypatch):
     path = tmp_path / "m.onnx"
     onnx.save(_one_conv(), str(path))
     result = tune_model(path, trials=2, tactics="tvm", progress=False)
-    assert result.trials >= 1
+    untuned = sum(r.note == NOT_REPLAYED for r in result.rule_records)
+    assert result.trials >= 1 and result.tasks == len(result.rule_records) - untuned
     _check_rule_records_and_fastest_applied(path, tmp_path / "cache", result)
 
 
@@ -143,10 +148,14 @@ def _check_rule_records_and_fastest_applied(path, cache, result):
     """The rule's record is there for every task (the conv's from a conv rule), measured;
     each kernel compile builds is its fastest record, reported truthfully."""
     conv = [r for r in result.rule_records if "conv2d" in r.task]
-    assert len(conv) == 1 and conv[0].stored and conv[0].rule.startswith("conv2d"), result.rule_records
-    assert conv[0].seconds > 0 and all(r.stored for r in result.rule_records), result.rule_records
+    assert len(conv) == 1 and conv[0].rule.startswith("conv2d"), result.rule_records
+    # every rule schedule is stored, measured, unless its trace cannot replay (then the kernel is not tuned)
+    assert all(r.stored and r.seconds > 0 for r in result.rule_records if r.note != NOT_REPLAYED), result.rule_records
+    assert sum(r.stored for r in result.rule_records) >= 2, result.rule_records
     best = _check_fastest_applied(path, result.database)
     for name, (record, rule) in best.items():
+        if record is None:
+            continue
         marked = RULE_MARK in str(record.trace)
         expected_rule = next(r.rule for r in result.rule_records if r.task == name)
         # the report says truthfully where the kernel's schedule came from
@@ -156,6 +165,9 @@ def _check_rule_records_and_fastest_applied(path, cache, result):
     tasks, _, _ = _tasks(path)
     db = ms.database.JSONDatabase(work_dir=str(result.database), allow_missing=False)
     for name, workload in tasks.items():  # the rule's record is there for every task, measured
+        if any(r.task == name and r.note == NOT_REPLAYED for r in result.rule_records):
+            assert not _records(db, workload), name  # and such a task is not searched
+            continue
         rule_records = [r for r in _records(db, workload) if RULE_MARK in str(r.trace)]
         assert rule_records and all(0 < _mean(r) < 1e9 for r in rule_records), name
     return best
@@ -175,7 +187,9 @@ def test_a_second_run_does_not_store_the_rules_schedule_again(tuned):
 
     # nothing is left to measure, so neither a builder nor a runner is needed
     again = seed_rule_records([_Tasks(n, m) for n, m in tasks.items()], db, target=tgt, builder=None, runner=None)
-    assert [r.note for r in again] == ["already in the database"] * len(tasks), again
+    first = {r.task: r.note for r in result.rule_records}
+    assert [r.note for r in again] == [first[r.task] or "already in the database" for r in again], again
+    assert "already in the database" in [r.note for r in again]
     assert (result.database / "database_tuning_record.json").read_text() == before
 
 
@@ -197,7 +211,7 @@ def test_a_faster_searched_record_wins_over_the_rules(tuned, tmp_path, monkeypat
     tasks, _, tgt = _tasks(path)
     name, workload = next((n, w) for n, w in tasks.items() if "conv2d" in n)
     db = ms.database.JSONDatabase(work_dir=str(db_dir), allow_missing=False)
-    fastest = min(_mean(r) for r in _records(db, workload))
+    fastest = min((_mean(r) for r in _records(db, workload)), default=2e-6)
     # a schedule the search could have found: the conv's output rows in parallel, nothing else
     space = s_tir.Schedule(workload)
     root = space.get_sblock("root", func_name="main")
@@ -225,7 +239,7 @@ def test_a_faster_searched_record_wins_over_the_rules(tuned, tmp_path, monkeypat
 
 def test_a_trace_is_stored_only_if_it_replays_on_its_workload(tuned):
     """The check that keeps a rule step MetaSchedule could not re-apply out of the database:
-    the conv rule's trace replays on the conv's workload, not on another kernel's."""
+    a layout transform's rule trace replays on its workload, not on the conv's."""
     from tvm_layerfuse.compile.schedules.apply import rule_schedule
     from tvm_layerfuse.compile.schedules.base import CPUParams
 
@@ -233,7 +247,18 @@ def test_a_trace_is_stored_only_if_it_replays_on_its_workload(tuned):
     tasks, _, tgt = _tasks(path)
     conv = next(w for n, w in tasks.items() if "conv2d" in n)
     other = next(w for n, w in tasks.items() if "conv2d" not in n)
-    sch, rule = rule_schedule(conv["main"], CPUParams.of(tgt), tgt)
-    assert rule is not None and len(sch.trace.insts) > 10
-    assert _replays(sch, conv)
-    assert not _replays(sch, other)
+    sch, rule = rule_schedule(other["main"], CPUParams.of(tgt), tgt)
+    assert rule is not None and len(sch.trace.insts) > 2
+    assert _replays(sch, other)
+    assert not _replays(sch, conv)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the conv2d NCHWc rule narrows the kernel to int32 indices (ForceNarrowIndexToInt32) before "
+    "it schedules, a step outside the trace: its schedule cannot be a tuning record, so tune leaves the conv untuned",
+)
+def test_the_conv_rules_schedule_is_a_record(tuned):
+    _, _, result = tuned
+    conv = next(r for r in result.rule_records if "conv2d" in r.task)
+    assert conv.stored, conv

@@ -65,6 +65,9 @@ from .tune_database import database_dir
 log = logging.getLogger(__name__)
 
 
+NOT_REPLAYED = "its trace does not replay on the workload"
+
+
 @dataclass
 class RuleRecord:
     """A task's schedule from the rules, as measured before the search (``seconds`` None:
@@ -157,7 +160,7 @@ def seed_rule_records(tasks: Sequence[Any], database, *, target, builder, runner
         else:
             sch.annotate(sch.get_sblock("root", func_name="main"), RULE_MARK, rule)
             if not _replays(sch, workload):
-                rec.note = "its trace does not replay on the workload"
+                rec.note = NOT_REPLAYED
             elif database.has_workload(workload) and _holds_trace(database, database.commit_workload(workload), sch):
                 rec.note = "already in the database"
             else:
@@ -342,6 +345,21 @@ def tune_model(
     terminal = os.fdopen(os.dup(2), "w", buffering=1)
     start = time.monotonic()
     counted = [0]
+    with native_output.to_log("MetaSchedule", log):
+        database = ms.database.JSONDatabase(work_dir=str(work_dir), allow_missing=True)
+        seeded = seed_rule_records(tasks, database, target=tgt, builder=builder, runner=runner)
+        untraceable = {r.task for r in seeded if r.note == NOT_REPLAYED}
+        for name in sorted(untraceable):
+            log.warning(
+                "kernel %s is not tuned: its rule's schedule cannot be stored as a record (a step that is not a "
+                "traced schedule primitive), so a searched schedule could not be measured against it",
+                name,
+            )
+        tasks = [t for t in tasks if t.task_name not in untraceable]
+    if not tasks:
+        terminal.close()
+        seconds = time.monotonic() - start
+        return TuneResult(database=work_dir, tasks=0, trials=0, seconds=seconds, rule_records=seeded)
     with (
         terminal,
         tqdm(total=trials, disable=not progress, unit="trial", desc=f"tune {len(tasks)} tasks", file=terminal) as bar,
@@ -349,8 +367,6 @@ def tune_model(
     ):
         with _unnamed_handlers_detached("tvm.s_tir.meta_schedule"):
             contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(tasks, work_dir=str(work_dir))
-        database = ms.database.JSONDatabase(work_dir=str(work_dir), allow_missing=True)
-        seeded = seed_rule_records(tasks, database, target=tgt, builder=builder, runner=runner)
         ms.tune_tasks(
             tasks=contexts,
             task_weights=weights,
