@@ -16,9 +16,12 @@ from the schedule rules.
    task's workload from its JSON form (as the database stores it and MetaSchedule re-applies
    it), the kernel is built and measured with the builder and runner the search uses (here or
    on the board), and committed as a ``TuningRecord`` (trace, workload, run_secs, target,
-   args_info). A task whose rule schedule cannot become a record (no rule, a trace that does
-   not replay, a failed build or run) is logged and left to the search; a record already in
-   the database (same trace) is not measured again;
+   args_info). A task with no rule, or whose rule schedule failed to build or run, is logged
+   and left to the search; a task whose rule trace does not replay (a rule step outside the
+   schedule primitives, e.g. a transformation of the PrimFunc before ``s_tir.Schedule``) is
+   logged and left out of the search, so that ``compile`` keeps the rule's schedule rather
+   than a searched one never measured against it; a record already in the database (same
+   trace) is not measured again;
 4. ``meta_schedule.tune_tasks`` searches schedules in TVM's default design space (evolutionary
    search, XGBoost cost model), measured here or - ``--rpc``/``--tracker`` - on the board
    through TVM's RPC runner (a tracker spreads the measurements over its boards); a tqdm bar
