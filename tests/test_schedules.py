@@ -216,6 +216,109 @@ def test_aarch64_conv_kernel_is_parallel_and_vectorised(aarch64_artifact):
         assert re.search(r"\tfmla\s+v\d+\.4s", body), f"{name}: no fmla v.4s"
 
 
+# objdump -d lines (a tab before the mnemonic) of a library with kernels conv, conv_1 and pool;
+# the __TVMBackendParallelLaunch pointer's GOT slot is at 0x3ffc8; conv loads it (a parallel
+# launch), conv_1 loads the slot next to it
+_DISASSEMBLY = {
+    "aarch64": """
+0000000000000e74 <__tvm_ffi_conv>:
+     e74:\t4e20cc00 \tfmla\tv0.4s, v0.4s, v0.4s
+0000000000001000 <conv_compute_>:
+    1000:\tb0000148 \tadrp\tx8, 3f000 <__FRAME_END__+0x1b87c>
+    1004:\tf947e508 \tldr\tx8, [x8, #4040]
+    1008:\t4f801000 \tfmla\tv0.4s, v0.4s, v0.s[0]
+    100c:\t0e20cc00 \tfmla\tv0.2s, v0.2s, v0.2s
+0000000000002000 <__tvm_ffi_conv_1>:
+    2000:\t1f000000 \tfmadd\ts0, s0, s0, s0
+    2004:\tb0000148 \tadrp\tx9, 3f000 <__FRAME_END__+0x1b87c>
+    2008:\tf947e508 \tldr\tx8, [x9, #4048]
+0000000000003000 <conv_1_compute_>:
+    3000:\t4e20f400 \tfmax\tv0.4s, v0.4s, v0.4s
+    3004:\t4e23cc41 \tfmla\tv1.4s, v2.4s, v3.4s
+0000000000004000 <__tvm_ffi_pool>:
+    4000:\t4e20cc00 \tfadd\tv0.4s, v0.4s, v0.4s
+""",
+    "x86_64": """
+0000000000001000 <__tvm_ffi_conv>:
+    1000:\tc4 e2 75 b8 c2       \tvfmadd231ps %ymm2,%ymm1,%ymm0
+0000000000001100 <conv_compute_>:
+    1100:\t48 8b 05 35 d0 01 00 \tmov    0x1d035(%rip),%rax        # 3ffc8 <__TVMBackendParallelLaunch@@Base-0x60>
+    1107:\tc4 e2 75 b8 40 20    \tvfmadd231ps 0x20(%rax),%ymm1,%ymm0
+    110d:\t62 f2 75 48 bc c2    \tvfnmadd231ps %zmm2,%zmm1,%zmm0
+0000000000002000 <__tvm_ffi_conv_1>:
+    2000:\tc4 e2 71 b8 c2       \tvfmadd231ps %xmm2,%xmm1,%xmm0
+    2005:\tc4 e2 71 b9 c2       \tvfmadd231ss %xmm2,%xmm1,%xmm0
+    200a:\t48 8b 05 35 d0 01 00 \tmov    0x1d035(%rip),%rax        # 3ffd0 <__TVMBackendParallelLaunch@@Base-0x58>
+0000000000003000 <conv_1_compute_>:
+    3000:\tc5 f4 5f c2          \tvmaxps %ymm2,%ymm1,%ymm0
+    3004:\tc4 e2 6d a8 cb       \tvfmadd213ps %ymm3,%ymm2,%ymm1
+0000000000004000 <__tvm_ffi_pool>:
+    4000:\tc5 f4 58 c2          \tvaddps %ymm2,%ymm1,%ymm0
+""",
+}
+_DYNAMIC = """
+DYNAMIC SYMBOL TABLE:
+0000000000040030  w   DO .bss\t0000000000000008  Base        __TVMBackendParallelLaunch
+
+DYNAMIC RELOCATION RECORDS
+OFFSET           TYPE              VALUE
+000000000003ffc8 R_AARCH64_GLOB_DAT  __TVMBackendParallelLaunch@@Base
+000000000003ffd0 R_AARCH64_GLOB_DAT  __TVMFFIEnvModRegisterCAPI@@Base
+"""
+
+
+@pytest.mark.parametrize("machine", sorted(_DISASSEMBLY))
+def test_kernel_code_reads_each_kernels_own_functions(machine):
+    """A kernel's code is its entry point and its compute functions, not another kernel's
+    whose name it begins (conv / conv_1); a parallel launch is a load of the launcher's GOT
+    slot; only 4-lane NEON / ymm-zmm FMAs count."""
+    from tvm_layerfuse.compile.schedules.disassembly import kernel_code, launcher_addresses
+
+    launcher = launcher_addresses(_DYNAMIC)
+    assert launcher == {0x40030, 0x3FFC8}
+    code = kernel_code(_DISASSEMBLY[machine], machine, ["conv", "conv_1", "pool", "absent"], launcher)
+    assert code == {
+        "conv": {"found": True, "parallel_launch": True, "vector_fmas": 3 if machine == "x86_64" else 2},
+        "conv_1": {"found": True, "parallel_launch": False, "vector_fmas": 1},
+        "pool": {"found": True, "parallel_launch": False, "vector_fmas": 0},
+        "absent": {"found": False, "parallel_launch": False, "vector_fmas": 0},
+    }
+
+
+@pytest.mark.parametrize("fixture", ["x86_artifact", "aarch64_artifact"])
+def test_inspect_counts_parallel_launches_and_vector_fmas(fixture, request, capsys):
+    """`inspect ARTIFACT` reads the library's disassembly: every kernel the schedule made
+    parallel launches parallel work, every blocked conv has vector FMAs, pools (no multiply)
+    have none, and the summary counts what the kernel lines say."""
+    from tvm_layerfuse.cli.commands import main
+
+    art = request.getfixturevalue(fixture)
+    machine = read_manifest(art)["target"]["machine"]
+    tool, fma = ("objdump", r"vfn?madd\d+ps\s+\S*%[yz]mm") if machine == "x86_64" else ("aarch64-linux-gnu-objdump", r"\tfmla\s+v\d+\.4s")
+    text = _objdump(tool, art / "model.so")
+    assert main(["inspect", str(art)]) == 0
+    out = capsys.readouterr().out
+    schedules = read_manifest(art)["schedules"]
+    kernels = {k: v for k, v in schedules["kernels"].items() if "view" not in v["rule"] and "library call" not in v["rule"]}
+    lines = {}
+    for name in kernels:
+        m = re.search(rf"^  {re.escape(name)}\s.*code: (parallel launch|one thread), (\d+) vector FMAs$", out, re.M)
+        assert m, f"{name}: no code in its line"
+        lines[name] = (m.group(1) == "parallel launch", int(m.group(2)))
+    assert {k: p for k, (p, _) in lines.items()} == {k: v["parallel"] for k, v in kernels.items()}
+    for name, v in kernels.items():
+        if v["rule"] == BLOCKED_RULE:
+            parts = re.split(r"\n(?=[0-9a-f]+ <)", text)
+            own = [p for p in parts if re.match(rf"[0-9a-f]+ <(__tvm_ffi_)?{re.escape(name)}(_compute_\w*)?>:", p)]
+            assert lines[name][1] == sum(len(re.findall(fma, p)) for p in own) > 0, name
+        if v["rule"] == "pool/reduction" and "max_pool" in name:
+            assert lines[name][1] == 0, name
+    summary = next(line for line in out.splitlines() if line.startswith("code ("))
+    total = len(kernels)
+    assert f"{sum(p for p, _ in lines.values())} of {total} kernels launch parallel work" in summary, summary
+    assert f"{sum(n > 0 for _, n in lines.values())} of {total} have vector FMAs" in summary, summary
+
+
 def test_aarch64_schedules_agree_with_onnxruntime_on_the_emulated_board(conv_zoo, aarch64_artifact):
     from tvm_layerfuse import deploy as rpc
     from tvm_layerfuse.deploy import board

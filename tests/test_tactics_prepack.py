@@ -73,9 +73,9 @@ def _outputs(x_shape, w_shape, geo, channels):
     return [(n, c, oh, ow) for c in channels]
 
 
-def _run(case: str, *, packed: bool, identity_delta: int = 0) -> list[np.ndarray]:
+def _run(case: str, *, packed: bool, identity_delta: int = 0, seed: int = 7) -> list[np.ndarray]:
     x_shape, w_shape, geo, channels, residual = CASES[case]
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = rng.standard_normal(w_shape).astype(np.float32)
     b = rng.standard_normal(w_shape[0]).astype(np.float32)
@@ -105,6 +105,17 @@ def test_packed_weights_give_what_plain_weights_give(case):
     assert all(np.abs(p).max() > 1e-3 for p in plain), "dead output"
     for p, q in zip(plain, packed):
         assert rel_err(q, p) <= 1e-6
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_layer_called_again_reads_the_new_calls_tensors(case):
+    # the second call finds the layer (same id, shapes, attrs) and this thread's memory objects
+    # made by the first; it must read its own input, weights, bias and residual, write its own outputs
+    first = _run(case, packed=True, seed=7)
+    again = _run(case, packed=True, seed=8)
+    plain = _run(case, packed=False, seed=8)
+    for f, a, p in zip(first, again, plain):
+        assert rel_err(a, p) <= 1e-6 and rel_err(a, f) > 1e-2
 
 
 def _dense(*, packed: bool, identity_delta: int = 0) -> np.ndarray:

@@ -156,8 +156,9 @@ def _inspect_artifact(path: Path, args: argparse.Namespace) -> int:
 
     manifest = read_manifest(path)
     target, tactics = manifest["target"], manifest.get("tactics")
+    code = _library_code(path, manifest)
     if args.json:
-        out = {"target": target, "tactics": tactics, "tuning": manifest.get("tuning"), "schedules": manifest.get("schedules")}
+        out = {"target": target, "tactics": tactics, "tuning": manifest.get("tuning"), "schedules": manifest.get("schedules"), "code": code}
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
@@ -173,8 +174,19 @@ def _inspect_artifact(path: Path, args: argparse.Namespace) -> int:
     )
     from ..compile.schedules.report import format_schedules
 
-    sys.stdout.write(format_schedules(manifest.get("schedules")) + "\n")
+    sys.stdout.write(format_schedules(manifest.get("schedules"), code) + "\n")
     return 0
+
+
+def _library_code(path: Path, manifest: dict) -> Optional[dict]:
+    """Per kernel of a CPU artifact's library: parallel launch and vector FMAs, from its
+    disassembly (None for an artifact without a schedule report)."""
+    from ..compile.schedules.disassembly import library_code
+
+    schedules = manifest.get("schedules")
+    if not schedules or manifest["target"].get("device") != "cpu":
+        return None
+    return library_code(path / manifest["library"], manifest["target"]["machine"], schedules.get("kernels", {}))
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from .conv2d_nchwc import Conv2DNCHWc
 from .dense import Dense
 from .injective import Generic, Injective
 from .reduction import DlightReduction, Reduction
+from .report import CALL, VIEW
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ TUNED = "metaschedule"  # the rule name of a kernel a tuning database scheduled
 # it beside MetaSchedule's candidates and it was the fastest): the rule's name, and where it came from
 FROM_DATABASE = "{rule} (tuning database)"
 RULE_MARK = "layerfuse.rule"  # root-block annotation of the records ``tune`` makes from the rules
-VIEW = "reshape (a view, no kernel)"
-CALL = "library call (no loop nest)"  # a TIR wrapper around a packed call (the oneDNN tactic's in-place conv)
 
 
 @dataclasses.dataclass

@@ -113,6 +113,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -274,8 +275,9 @@ dnnl::engine& Engine() {
 // no process-wide lock on the way: the primitives and the reordered weights of a layer are made
 // once and shared read-only (oneDNN primitives execute concurrently), found in a cache under a
 // reader lock; what a call writes besides its outputs - the stream, the scratchpad (every
-// primitive runs with scratchpad_mode::user), the reorder buffers of plain src/dst and the
-// prologue's scratch - belongs to the calling thread.
+// primitive runs with scratchpad_mode::user), the reorder buffers of plain src/dst, the
+// prologue's scratch and the memory objects a layer's call points at its tensors (ThreadBuffers)
+// - belongs to the calling thread.
 dnnl::stream& Stream() {
   thread_local dnnl::stream* stream = new dnnl::stream(Engine());
   return *stream;
@@ -289,14 +291,15 @@ dnnl::primitive_attr UserScratchpad() {
 
 // The calling thread's scratchpad for a primitive whose scratchpad is `md` (grown as needed;
 // valid until the thread's next call of Scratchpad).
-dnnl::memory Scratchpad(const dnnl::memory::desc& md) {
+void* ScratchpadData(size_t n) {
   thread_local std::vector<char>* buf = new std::vector<char>();
-  const size_t n = md.get_size();
   if (buf->size() < n + 64) buf->resize(n + 64);
   char* p = buf->data();
   p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
-  return dnnl::memory(md, Engine(), p);
+  return p;
 }
+
+dnnl::memory Scratchpad(const dnnl::memory::desc& md) { return dnnl::memory(md, Engine(), ScratchpadData(md.get_size())); }
 
 void Execute(const dnnl::primitive& prim, const dnnl::memory::desc& scratchpad, std::unordered_map<int, dnnl::memory> args) {
   if (scratchpad.get_size() > 0) args[DNNL_ARG_SCRATCHPAD] = Scratchpad(scratchpad);
@@ -417,6 +420,9 @@ struct Layer {
   int64_t dst_block;
   dnnl::convolution_forward::primitive_desc pd;
   dnnl::convolution_forward prim;
+  // pd's descs and output dims, queried once (each query copies a whole dnnl_memory_desc_t)
+  dnnl::memory::desc src_md, dst_md, bias_md, weights_md, scratchpad_md;
+  dims dst_dims;
   uint64_t weights_id;   // DescId(pd.weights_desc())
   size_t weights_size;   // its bytes
   bool packed;           // the weights are the call's (packed) tensor
@@ -497,8 +503,14 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   layer->dst_block = dst_block;
   layer->pd = MakeDesc(x, rows.wdims, at, residual, dst_block);
   layer->prim = dnnl::convolution_forward(layer->pd);
-  layer->weights_id = DescId(layer->pd.weights_desc());
-  layer->weights_size = layer->pd.weights_desc().get_size();
+  layer->src_md = layer->pd.src_desc();
+  layer->dst_md = layer->pd.dst_desc();
+  layer->bias_md = layer->pd.bias_desc();
+  layer->weights_md = layer->pd.weights_desc();
+  layer->scratchpad_md = layer->pd.scratchpad_desc();
+  layer->dst_dims = layer->dst_md.dims();
+  layer->weights_id = DescId(layer->weights_md);
+  layer->weights_size = layer->weights_md.get_size();
   layer->packed = at.packed != 0;
   if (!layer->packed) {  // plain weights: once, into the layout the primitive prefers
     layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
@@ -526,13 +538,12 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
 std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs, bool residual,
                                  int64_t dst_block, size_t piece) {
   const bool packed = at.packed != 0;
-  std::vector<float> fingerprint;
+  std::vector<float> fingerprint;  // plain weights only (packed calls allocate nothing here)
   if (!packed) fingerprint = Fingerprint(rows.w, rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3]);
-  const std::vector<int64_t> values(attrs.begin(), attrs.end());
   Hasher made_for;
   for (int64_t v : x) made_for.Add(v);
   for (int64_t v : rows.wdims) made_for.Add(v);
-  for (int64_t v : values) made_for.Add(v);
+  for (int64_t v : attrs) made_for.Add(v);
   made_for.Add(residual);
   made_for.Add(dst_block);
   const LayerKey key{at.layer, packed ? nullptr : static_cast<const void*>(rows.w), piece, made_for.h};
@@ -541,11 +552,13 @@ std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& a
     auto it = Layers().find(key);
     if (it != Layers().end()) {
       const Layer& l = *it->second;
-      if (l.fingerprint == fingerprint && l.x == x && l.wdims == rows.wdims && l.attrs == values && l.residual == residual &&
+      if (l.fingerprint == fingerprint && l.x == x && l.wdims == rows.wdims &&
+          std::equal(l.attrs.begin(), l.attrs.end(), attrs.begin(), attrs.end()) && l.residual == residual &&
           l.dst_block == dst_block)
         return it->second;
     }
   }
+  const std::vector<int64_t> values(attrs.begin(), attrs.end());
   auto layer = MakeLayer(x, rows, at, values, residual, dst_block, fingerprint);  // no lock held while it is made
   std::unique_lock<std::shared_mutex> lock(CacheMutex());
   Layers()[key] = layer;
@@ -563,17 +576,33 @@ void ReleaseLayers() {
   ReleaseDense();
 }
 
-// The calling thread's reorder buffers of a layer (plain src / dst in the primitive's layout).
+// The calling thread's memory objects of a layer, made on its first call in that thread: the
+// reorder buffers (plain src / dst in the primitive's layout, owned) and the wrappers of the
+// call's tensors and scratchpad, which each call points at its tensors (set_data_handle; on the
+// CPU this does what making a memory object on the handle does, without making one), and the
+// execute arguments over them. Per thread, never shared: a call only ever writes its own.
 struct Buffers {
-  dnnl::memory src, dst;
+  dnnl::memory src, dst;                       // reorder buffers (src_reorder / dst_reorder)
+  dnnl::memory x, out, bias, weights, scratch;  // wrappers: handles set per call
+  std::unordered_map<int, dnnl::memory> args;
 };
 Buffers& ThreadBuffers(const Layer& layer) {
   thread_local auto* buffers = new std::unordered_map<uint64_t, Buffers>();
   auto it = buffers->find(layer.serial);
   if (it == buffers->end()) {
     Buffers b;
-    if (layer.src_reorder) b.src = dnnl::memory(layer.pd.src_desc(), Engine());
-    if (layer.dst_reorder) b.dst = dnnl::memory(layer.pd.dst_desc(), Engine());
+    const dnnl::engine& e = Engine();
+    if (layer.src_reorder) b.src = dnnl::memory(layer.src_md, e);
+    if (layer.dst_reorder) b.dst = dnnl::memory(layer.dst_md, e);
+    b.x = layer.src_reorder ? b.src : dnnl::memory(layer.src_md, e, nullptr);
+    b.out = layer.dst_reorder ? b.dst : dnnl::memory(layer.dst_md, e, nullptr);
+    b.bias = dnnl::memory(layer.bias_md, e, nullptr);
+    b.weights = layer.packed ? dnnl::memory(layer.weights_md, e, nullptr) : layer.weights;
+    b.args = {{DNNL_ARG_SRC, b.x}, {DNNL_ARG_WEIGHTS, b.weights}, {DNNL_ARG_BIAS, b.bias}, {DNNL_ARG_DST, b.out}};
+    if (layer.scratchpad_md.get_size() > 0) {
+      b.scratch = dnnl::memory(layer.scratchpad_md, e, nullptr);
+      b.args[DNNL_ARG_SCRATCHPAD] = b.scratch;
+    }
     it = buffers->emplace(layer.serial, std::move(b)).first;
   }
   return it->second;
@@ -595,31 +624,27 @@ View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims
 // weights (null: the layer's own copy), b: its bias. r: the residual (out's shape), or null.
 void RunRows(const float* x, const Layer& layer, const float* w, const float* b, const float* r, const View& out) {
   for (int i = 0; i < 4; ++i) {
-    if (out.shape[i] != layer.pd.dst_desc().dims()[i])
-      TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
+    if (out.shape[i] != layer.dst_dims[i]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";
   }
   float* dst_ptr = out.data;
   Buffers& buf = ThreadBuffers(layer);
-  dnnl::memory src, dst;
   if (layer.src_reorder) {
     layer.src_in(const_cast<float*>(x), buf.src.get_data_handle());
-    src = buf.src;
   } else {
-    src = dnnl::memory(layer.pd.src_desc(), Engine(), const_cast<float*>(x));
+    buf.x.set_data_handle(const_cast<float*>(x));
   }
   if (layer.dst_reorder) {
-    dst = buf.dst;
-    if (r) layer.dst_in(const_cast<float*>(r), dst.get_data_handle());  // the residual, for the sum post-op
+    if (r) layer.dst_in(const_cast<float*>(r), buf.dst.get_data_handle());  // the residual, for the sum post-op
   } else {
-    dst = dnnl::memory(layer.pd.dst_desc(), Engine(), dst_ptr);
+    buf.out.set_data_handle(dst_ptr);
     if (r && r != dst_ptr) std::memcpy(dst_ptr, r, sizeof(float) * out.numel());
   }
-  dnnl::memory bias(layer.pd.bias_desc(), Engine(), const_cast<float*>(b));
+  buf.bias.set_data_handle(const_cast<float*>(b));
   // packed weights: the call's own tensor, wrapped where it lies (no copy)
-  dnnl::memory weights = layer.packed ? dnnl::memory(layer.pd.weights_desc(), Engine(), const_cast<float*>(w)) : layer.weights;
-  Execute(layer.prim, layer.pd.scratchpad_desc(),
-          {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
-  if (layer.dst_reorder) layer.dst_out(dst.get_data_handle(), dst_ptr);
+  if (layer.packed) buf.weights.set_data_handle(const_cast<float*>(w));
+  if (buf.scratch) buf.scratch.set_data_handle(ScratchpadData(layer.scratchpad_md.get_size()));
+  layer.prim.execute(Stream(), buf.args);
+  if (layer.dst_reorder) layer.dst_out(buf.dst.get_data_handle(), dst_ptr);
   Stream().wait();
 }
 
@@ -695,13 +720,11 @@ const float* RunPre(const Input& in, const dims& d, int64_t block) {
   const int64_t N = d[0], C = d[1], HW = d[2] * d[3];
   if (in.sc->numel() != C || in.sh->numel() != C)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: prologue scale/shift length != input channels";
-  thread_local auto* scratch = new std::unordered_map<std::string, dnnl::memory>();
-  std::ostringstream key;
-  for (auto e : d) key << e << ',';
-  key << block;
-  auto buf = scratch->find(key.str());
+  thread_local auto* scratch = new std::map<std::array<int64_t, 5>, dnnl::memory>();
+  const std::array<int64_t, 5> key{d[0], d[1], d[2], d[3], block};
+  auto buf = scratch->find(key);
   if (buf == scratch->end())
-    buf = scratch->emplace(key.str(), dnnl::memory({d, dt::f32, block ? Blocked(block) : tag::nchw}, Engine())).first;
+    buf = scratch->emplace(key, dnnl::memory({d, dt::f32, block ? Blocked(block) : tag::nchw}, Engine())).first;
   float* out = static_cast<float*>(buf->second.get_data_handle());
   struct Unit {  // one channel (NCHW) or B-channel block (nChwBc) of one piece and image
     const float* x;
@@ -771,10 +794,10 @@ constexpr const char* kPackedElsewhere = "its weights were packed at compile tim
 // one this machine's oneDNN chooses for the call (another CPU ISA: another blocking, or
 // Winograd where the compiling machine had it), or of another size.
 void CheckPacked(const std::vector<std::shared_ptr<const Layer>>& layers, const Attrs& at, const TensorView& w) {
-  std::vector<uint64_t> ids;
+  Hasher h;  // PackedId of the layers' weights_id, without a vector
   size_t bytes = 0;
-  for (const auto& l : layers) ids.push_back(l->weights_id), bytes += l->weights_size;
-  const int64_t here = PackedId(ids);
+  for (const auto& l : layers) h.Add(l->weights_id), bytes += l->weights_size;
+  const int64_t here = static_cast<int64_t>(h.h >> 2) | 1;
   if (here != at.packed || bytes != sizeof(float) * static_cast<size_t>(w.numel()))
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: layer " << at.layer << ": " << kPackedElsewhere << " (identity " << at.packed
                               << ", " << sizeof(float) * w.numel() << " bytes) that oneDNN " << dnnl_version()->major << '.'
@@ -1045,14 +1068,15 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
   CheckTensor(out, 4, "output");
   try {
     static auto* mu = new std::shared_mutex();
-    static auto* pools = new std::unordered_map<std::string, std::shared_ptr<const Pool>>();
-    std::ostringstream key;  // (made once per shape; a pool has no weights and no layer id)
-    for (int i = 0; i < 4; ++i) key << x.shape()[i] << ',' << out.shape()[i] << ';';
-    for (int64_t v : attrs) key << v << ';';
+    static auto* pools = new std::map<std::vector<int64_t>, std::shared_ptr<const Pool>>();
+    std::vector<int64_t> key;  // (made once per shape; a pool has no weights and no layer id)
+    key.reserve(8 + attrs.size());
+    for (int i = 0; i < 4; ++i) key.push_back(x.shape()[i]), key.push_back(out.shape()[i]);
+    key.insert(key.end(), attrs.begin(), attrs.end());
     std::shared_ptr<const Pool> pool;
     {
       std::shared_lock<std::shared_mutex> lock(*mu);
-      auto it = pools->find(key.str());
+      auto it = pools->find(key);
       if (it != pools->end()) pool = it->second;
     }
     if (!pool) {
@@ -1060,7 +1084,7 @@ void Pool2d(TensorView x, Shape attrs, TensorView out) {
       made->pd = PoolDesc(Dims(x.shape().data(), 4), Dims(out.shape().data(), 4), attrs);
       made->prim = dnnl::pooling_forward(made->pd);
       std::unique_lock<std::shared_mutex> lock(*mu);
-      pool = (*pools)[key.str()] = made;
+      pool = (*pools)[key] = made;
     }
     dnnl::memory src(pool->pd.src_desc(), Engine(), const_cast<float*>(Data(x)));
     dnnl::memory dst(pool->pd.dst_desc(), Engine(), const_cast<float*>(Data(out)));
@@ -1088,6 +1112,8 @@ struct DensePrim {
   dnnl::matmul prim;
   dnnl::memory weights;  // plain weights only: in pd.weights_desc(), owned
   std::vector<float> fingerprint;
+  int64_t packed_id;     // PackedId of pd.weights_desc(), computed once
+  size_t weights_size;   // its bytes
 };
 
 std::shared_mutex& DenseMutex() {
@@ -1132,6 +1158,8 @@ void Dense(TensorView x, TensorView w, TensorView b, Shape attrs, TensorView out
       made->N = N, made->K = K, made->M = M;
       made->pd = DenseDesc(N, K, M);
       made->prim = dnnl::matmul(made->pd);
+      made->packed_id = PackedId({DescId(made->pd.weights_desc())});
+      made->weights_size = made->pd.weights_desc().get_size();
       if (!packed) {
         made->weights = dnnl::memory(made->pd.weights_desc(), Engine());
         Reorder(dnnl::memory::desc({K, M}, dt::f32, tag::ab), made->pd.weights_desc())(const_cast<float*>(Data(w)),
@@ -1144,13 +1172,12 @@ void Dense(TensorView x, TensorView w, TensorView b, Shape attrs, TensorView out
     }
     dnnl::memory weights = p->weights;
     if (packed) {
-      const dnnl::memory::desc md = p->pd.weights_desc();
-      const int64_t here = PackedId({DescId(md)});
-      if (here != packed || md.get_size() != sizeof(float) * static_cast<size_t>(w.numel()))
+      const int64_t here = p->packed_id;
+      if (here != packed || p->weights_size != sizeof(float) * static_cast<size_t>(w.numel()))
         TVM_FFI_THROW(ValueError) << "layerfuse.onednn: the dense layer: " << kPackedElsewhere << " (identity " << packed << ", "
                                   << sizeof(float) * w.numel() << " bytes) that oneDNN does not pick on this CPU (identity " << here
-                                  << ", " << md.get_size() << " bytes): compile it on this machine";
-      weights = dnnl::memory(md, Engine(), const_cast<float*>(Data(w)));
+                                  << ", " << p->weights_size << " bytes): compile it on this machine";
+      weights = dnnl::memory(p->pd.weights_desc(), Engine(), const_cast<float*>(Data(w)));
     }
     Execute(p->prim, p->pd.scratchpad_desc(),
             {{DNNL_ARG_SRC, dnnl::memory(p->pd.src_desc(), Engine(), const_cast<float*>(Data(x)))},
