@@ -67,7 +67,8 @@ def test_tune_then_compile_applies_the_database(tmp_path, monkeypatch, capfd):
     tuning = json.loads((out / "manifest.json").read_text())["tuning"]  # the manifest says what was applied
     assert tuning == {"database": str(result.database), "records": len(records), "workloads": len({json.loads(r)[0] for r in records})}
     schedules = json.loads((out / "manifest.json").read_text())["schedules"]  # the tuned kernels keep their schedules
-    assert schedules["counts"].get("metaschedule", 0) >= 1 and schedules["unscheduled"] == [], schedules["counts"]
+    from_db = [k for k, v in schedules["kernels"].items() if v["rule"] == "metaschedule" or v["rule"].endswith("(tuning database)")]
+    assert len(from_db) >= 1 and schedules["unscheduled"] == [], schedules["counts"]
     plain = compile_model(path, tmp_path / "plain", tactics="tvm", fuse=False, progress=False)
     assert json.loads((plain / "manifest.json").read_text())["tuning"] is None  # TVM's own pipeline: untuned
 
@@ -102,6 +103,10 @@ def test_tune_measures_on_the_boards_of_a_tracker(tmp_path, monkeypatch):
     run_secs = [r[1][1] for r in records]  # [workload, [trace, run_secs, target, args_info]]
     assert any(s and all(float(t) < 1e9 for t in s) for s in run_secs), run_secs  # measured, not failed (1e10)
     assert "load_module" in served, served[-2000:]
+    # the rules' schedules were measured on the board too, before the search, and stored
+    seeded = [r for r in result.rule_records if r.stored]
+    assert seeded and all(0 < r.seconds < 1e9 for r in seeded), result.rule_records
+    assert sum("layerfuse.rule" in json.dumps(r[1][0]) for r in records) >= len(seeded)
 
 
 @pytest.mark.slow

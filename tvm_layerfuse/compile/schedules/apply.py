@@ -5,6 +5,8 @@ which rule gave it.
 
     for each PrimFunc (after FuseTIR and the layerfuse lowering passes):
       tuned by MetaSchedule (``tirx.is_scheduled``, set by MetaScheduleApplyDatabase)  -> kept
+        reported as ``metaschedule``, or as ``<rule> (tuning database)`` when the database's
+        fastest record is the rule's own schedule (``tune`` stores it, marked ``layerfuse.rule``)
       a reshape (RewriteDataflowReshape turns it into a view, no kernel)               -> kept
       TIR without blocks (a wrapper around a library call)                             -> kept
       else the first rule that applies, in order:
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 
 RULES: tuple[Rule, ...] = (Conv2DNCHWc(), Conv2D(), Dense(), Reduction(), DlightReduction(), Injective(), Generic())
 TUNED = "metaschedule"  # the rule name of a kernel a tuning database scheduled
+# a kernel whose best record in the tuning database is a rule's own schedule (``tune`` measured
+# it beside MetaSchedule's candidates and it was the fastest): the rule's name, and where it came from
+FROM_DATABASE = "{rule} (tuning database)"
+RULE_MARK = "layerfuse.rule"  # root-block annotation of the records ``tune`` makes from the rules
 
 
 @dataclasses.dataclass
@@ -110,16 +116,39 @@ def _has_blocks(func: tirx.PrimFunc) -> bool:
     return True
 
 
-def schedule_kernel(func: tirx.PrimFunc, params: CPUParams, target, rules: Sequence[Rule] = RULES):
-    """(scheduled PrimFunc, rule name) - or (``func``, None) when no rule applies."""
+def rule_schedule(func: tirx.PrimFunc, params: CPUParams, target, rules: Sequence[Rule] = RULES):
+    """(the traced :class:`tvm.s_tir.Schedule` of the first rule that applies, its name) - or
+    (None, None). The schedule's trace replays on ``func`` (what ``tune`` stores as a record)."""
     for rule in rules:
         try:
             sch = rule.apply(func, params, target)
         except Exception as e:  # noqa: BLE001 - RuleRefused or TVM's ScheduleError: the next rule
             log.debug("%s: %s", rule.name, str(e).splitlines()[0] if str(e) else type(e).__name__)
             continue
-        return sch.mod["main"].with_attr("tirx.is_scheduled", True), rule.name
-    return func, None
+        return sch, rule.name
+    return None, None
+
+
+def schedule_kernel(func: tirx.PrimFunc, params: CPUParams, target, rules: Sequence[Rule] = RULES):
+    """(scheduled PrimFunc, rule name) - or (``func``, None) when no rule applies."""
+    sch, name = rule_schedule(func, params, target, rules)
+    if sch is None:
+        return func, None
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True), name
+
+
+def database_rule(func: tirx.PrimFunc) -> Optional[str]:
+    """The rule whose schedule a tuning database applied to ``func`` (``tune`` marks the
+    records it makes from the rules with :data:`RULE_MARK` on the root block), or None: a
+    schedule MetaSchedule's search found."""
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        mark = sch.get(sch.get_sblock("root", func_name="main")).annotations.get(RULE_MARK)
+    except Exception:  # noqa: BLE001 - no root block: not one of ours
+        return None
+    return None if mark is None else str(mark)
 
 
 @tvm.transform.module_pass(opt_level=0, name="LayerfuseSchedules")
@@ -144,7 +173,8 @@ class ApplySchedules:
                 continue
             name = gv.name_hint
             if func.attrs is not None and "tirx.is_scheduled" in func.attrs and int(func.attrs["tirx.is_scheduled"]):
-                rule, new = TUNED, func
+                marked = database_rule(func)
+                rule, new = (TUNED if marked is None else FROM_DATABASE.format(rule=marked)), func
             elif _is_view(func):
                 self.report.kernels[name] = KernelSchedule(VIEW)
                 continue
