@@ -335,7 +335,7 @@ def tune_model(
     spec = resolve(target, arch=arch)
     mod, tgt = compile_module(model, spec, tactics=tactics, input_shapes=input_shapes)
     with tgt:
-        lowered = tvm.transform.Sequential(LayerfusePipeline(tgt, stop_after="InPlaceConcat").passes())(mod)
+        lowered = tvm.transform.Sequential(LayerfusePipeline(tgt, stop_after="NarrowBlockedIndices").passes())(mod)
     tasks = ms.relax_integration.extract_tasks(lowered, tgt)
     if not tasks:
         raise UsageError("the model has no kernel left for TVM to tune (every layer runs on a tactic library)")

@@ -9,6 +9,7 @@
       -> InlinePrologue                BatchNorm+Relu prologues computed inside the conv (inline_prologue.py)
       -> SplitOutputBuffers            producers write their split pieces (split_outputs.py)
       -> InPlaceConcat                 producers write into the concat block (inplace_concat.py)
+      -> NarrowBlockedIndices          CPU: blocked conv kernels in int32 indices (narrow_indices.py)
       [MetaScheduleApplyDatabase]      a `tune` database, where one exists
       -> LayerfuseSchedules            CPU: a schedule rule for every other kernel (compile/schedules/)
       [dlight default GPU schedules]   CUDA / ROCm / Metal: still applied, to the new kernels too
@@ -223,6 +224,10 @@ class LayerfusePipeline:
 
             legalize = [LegalizeBlockedConv(), *legalize]
         ours = [p for p in (self._prologue, self._split, self._concat) if p is not None]
+        if self.target.kind.name == "llvm":  # before any schedule: the workload tune extracts
+            from .narrow_indices import NarrowBlockedIndices
+
+            ours.append(NarrowBlockedIndices())
         if self.database is not None:  # tuned schedules for the kernels as the lowering left them
             ours.append(relax.transform.MetaScheduleApplyDatabase(self.database))
         if self._schedules is not None:  # after the database: a tuned kernel keeps its schedule

@@ -34,8 +34,9 @@ tiles ``x/o < W // w`` run without it, and the last tile, ``x/o`` now a constant
 ``x/i < W % w``, which folds away once ``x/i`` is unrolled: a smaller unrolled tile. The
 channel tail likewise, on the parallel loop ``O_o/o . n . y`` (``O_o/o`` outermost, so the
 condition ``(p // (N*H)) * c + O_o/i < chunks`` is one bound on ``p``: two parallel loops).
-The kernel is first narrowed to int32 indices (:func:`_int32_indices`: with Relax's int64
-loops the hint is lost in the lowering). The depthwise path keeps its predicated last tile
+The kernel is in int32 indices (``lowering/narrow_indices.py``, a lowering pass before any
+schedule; the rule narrows a kernel that did not go through it): with Relax's int64 loops the
+hint is lost in the lowering. The depthwise path keeps its predicated last tile
 (measured faster).
 
 A 1x1 conv with stride 1 and no padding on a small plane (7 x 7, 13 x 13, 14 x 14: the late
@@ -57,9 +58,9 @@ from __future__ import annotations
 import logging
 from fractions import Fraction
 
-import tvm
-from tvm import s_tir, tirx
+from tvm import s_tir
 
+from ...lowering.narrow_indices import int32_indices
 from .base import (
     CPUParams,
     Rule,
@@ -129,7 +130,7 @@ class Conv2DNCHWc(Rule):
     name = "conv2d NCHWc"
 
     def apply(self, func, params: CPUParams, target) -> s_tir.Schedule:
-        sch = s_tir.Schedule(_int32_indices(func))
+        sch = s_tir.Schedule(int32_indices(func))
         depthwise = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(DEPTHWISE)]
         if len(depthwise) == 1:
             return self._depthwise(sch, depthwise[0], params)
@@ -145,7 +146,7 @@ class Conv2DNCHWc(Rule):
                 return self._flat(func, params)
             except RuleRefused as e:
                 log.debug("1x1 conv tiled along rows: %s", e)
-                sch = s_tir.Schedule(_int32_indices(func))
+                sch = s_tir.Schedule(int32_indices(func))
                 block = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(BLOCK)][0]
         icb = _weight_block(sch, block)
         total = work(sch, block)
@@ -180,7 +181,7 @@ class Conv2DNCHWc(Rule):
 
             parallel(O_o/o . n) / p/o: acc[O_o/i, p/i, :] += in[.., p, c_i] * W[O_o, C_o, 0, 0, c_i, :]
         """
-        sch = s_tir.Schedule(_int32_indices(func))
+        sch = s_tir.Schedule(int32_indices(func))
         (block,) = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(BLOCK)]
         icb = _weight_block(sch, block)
         total = work(sch, block)
@@ -275,27 +276,6 @@ def _flat_plane(sch: s_tir.Schedule, block, params: CPUParams) -> bool:
 
 
 FLAT_PARALLEL = 4  # the flat form's parallel iterations per core at least
-
-
-def _int32_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """``func`` with int32 loops and indices (Relax legalizes with int64) where every buffer
-    has fewer than 2**31 elements. TVM's ``LoopPartition`` ignores the hint on a loop whose
-    int64 variable ``NarrowDataType`` replaced by an int32 one earlier in the lowering (the
-    hint still names the old variable): seen on TVM 0.27, the partial tiles then kept their
-    predicates."""
-    for buf in func.params:
-        n = 1
-        for d in getattr(buf, "shape", None) or ():
-            if not isinstance(d, tirx.IntImm):
-                return func
-            n *= int(d)
-        if n >= 1 << 31:
-            return func
-    try:
-        return tirx.transform.ForceNarrowIndexToInt32()(tvm.IRModule({"main": func}))["main"]
-    except Exception as e:  # noqa: BLE001 - TVM's error (an int64 buffer): scheduled as it is
-        log.debug("int64 indices kept: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return func
 
 
 def _partition_tails(sch: s_tir.Schedule, *splits) -> None:
