@@ -821,3 +821,26 @@ def test_prologue_groups_run_blocked(tmp_path):
     (ref,) = run_onnxruntime(model, feeds)
     got = next(iter(runtime.load(art, device="cpu").run(feeds).values()))
     assert _rel_err(ref, got) <= RTOL and float(np.abs(ref).std()) > 0
+
+
+def test_kernels_narrow_to_int32_only_where_every_buffer_fits():
+    """The blocked conv kernels' int32 step (``lowering/narrow_indices.py``) narrows a kernel
+    whose buffers all have fewer than 2**31 elements and leaves one with a larger buffer as it is."""
+    import tvm
+    from tvm import te
+
+    from tvm_layerfuse.lowering.narrow_indices import int32_indices
+
+    def copy(shape):
+        a = te.placeholder(shape, "float32", name="a")
+        b = te.compute((tvm.tirx.IntImm("int64", 4),), lambda i: a[(i,) + (0,) * (len(shape) - 1)], name="b")
+        return te.create_prim_func([a, b])
+
+    def int64(func) -> bool:  # the printer writes int64 extents and indices as T.int64(...)
+        return "T.int64(" in func.script()
+
+    small = copy([tvm.tirx.IntImm("int64", 4), tvm.tirx.IntImm("int64", 8)])
+    big = copy([tvm.tirx.IntImm("int64", 4), tvm.tirx.IntImm("int64", 1 << 30)])
+    assert int64(small) and int64(big)
+    assert not int64(int32_indices(small))
+    assert int32_indices(big).same_as(big)
