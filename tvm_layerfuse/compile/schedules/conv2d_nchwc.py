@@ -148,28 +148,11 @@ class Conv2DNCHWc(Rule):
                 log.debug("1x1 conv tiled along rows: %s", e)
                 sch = s_tir.Schedule(int32_indices(func))
                 block = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(BLOCK)][0]
-        icb = _weight_block(sch, block)
         total = work(sch, block)
         sch.cache_write(block, 0, "local")  # the tile accumulates in registers, written once
+        _inline_epilogue(sch, block)
         n, occ, oh, ow, ocb, ic, kh, kw = loops_per_iter(sch, block)
-        _, chunks, _, width, _ = extents(sch, [n, occ, oh, ow, ocb])
-        reg_w, reg_c = register_tile(width, chunks, params)
-        ico, ici = sch.split(ic, [None, icb])
-        owo, owi = sch.split(ow, [None, reg_w])  # a partial last tile where reg_w does not divide
-        occo, occi = sch.split(occ, [None, reg_c])
-        sch.reorder(occo, n, oh, owo, ico, kh, kw, ici, occi, owi, ocb)
-        par = sch.fuse(occo, n, oh)
-        epilogue = _epilogue_per_tile(sch, block, owo, params)
-        parallelize(sch, par, total)
-        sch.unroll(ici)
-        sch.unroll(occi)
-        sch.unroll(owi)
-        sch.vectorize(ocb)
-        sch.decompose_reduction(block, ico)  # the init loops copy the tile's unroll and vector
-        _vectorize_epilogue(sch, epilogue)
-        _partition_tails(sch, (owo, width, reg_w), (par, chunks, reg_c))
-        finish_root(sch, params)
-        return sch
+        return _register_tiles(sch, block, params, total=total, rows=[oh], loops=(n, occ, ow, ocb, ic, kh, kw))
 
     def _flat(self, func, params: CPUParams) -> s_tir.Schedule:
         """A 1x1 conv with stride 1 and no padding: rows of input and output are contiguous
@@ -183,7 +166,6 @@ class Conv2DNCHWc(Rule):
         """
         sch = s_tir.Schedule(int32_indices(func))
         (block,) = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(BLOCK)]
-        icb = _weight_block(sch, block)
         total = work(sch, block)
         _, _, height, width, _ = (int(iv.dom.extent) for iv in sch.get(block).iter_vars[:5])
         sch.cache_write(block, 0, "local")
@@ -202,24 +184,7 @@ class Conv2DNCHWc(Rule):
         except Exception as e:  # noqa: BLE001 - TVM's ScheduleError: the rows' schedule instead
             raise RuleRefused(f"the plane cannot be flattened: {str(e).splitlines()[0] if str(e) else e}") from e
         n, occ, hw, ocb, ic, kh, kw = loops_per_iter(sch, block)
-        _, chunks, positions, _ = extents(sch, [n, occ, hw, ocb])
-        reg_w, reg_c = register_tile(positions, chunks, params, flat=True)
-        ico, ici = sch.split(ic, [None, icb])
-        hwo, hwi = sch.split(hw, [None, reg_w])
-        occo, occi = sch.split(occ, [None, reg_c])
-        sch.reorder(occo, n, hwo, ico, kh, kw, ici, occi, hwi, ocb)
-        par = sch.fuse(occo, n)
-        epilogue = _move_epilogue(sch, block, hwo)
-        parallelize(sch, par, total)
-        sch.unroll(ici)
-        sch.unroll(occi)
-        sch.unroll(hwi)
-        sch.vectorize(ocb)
-        sch.decompose_reduction(block, ico)
-        _vectorize_epilogue(sch, epilogue)
-        _partition_tails(sch, (hwo, positions, reg_w), (par, chunks, reg_c))
-        finish_root(sch, params)
-        return sch
+        return _register_tiles(sch, block, params, total=total, rows=[], loops=(n, occ, hw, ocb, ic, kh, kw), flat=True)
 
     def _depthwise(self, sch: s_tir.Schedule, block, params: CPUParams) -> s_tir.Schedule:
         """A depthwise conv: no reduction over channels, so each output vector is its own
@@ -249,6 +214,33 @@ class Conv2DNCHWc(Rule):
         # (AVX2, 13- and 19-wide rows; each FMA loads its own input vector, the loop stays small)
         finish_root(sch, params)
         return sch
+
+
+def _register_tiles(sch: s_tir.Schedule, block, params: CPUParams, *, total: int, rows: list, loops, flat: bool = False):
+    """The tile loop nest of the module docstring for a conv whose local accumulator and
+    inlined epilogue are in place: ``loops`` are ``(n, O_o, x, o_i, c, ry, rx)`` (``x`` the
+    output columns of a row, or the positions of a flat plane), ``rows`` the row loop (``[y]``)
+    or none. Parallel ``O_o/o . n . rows``, tiles of ``x/i`` by ``O_o/i`` (:func:`register_tile`),
+    each partial last tile split off (:func:`_partition_tails`)."""
+    n, occ, x, ocb, ic, kh, kw = loops
+    _, chunks, width, _ = extents(sch, [n, occ, x, ocb])
+    reg_w, reg_c = register_tile(width, chunks, params, flat=flat)
+    ico, ici = sch.split(ic, [None, _weight_block(sch, block)])
+    xo, xi = sch.split(x, [None, reg_w])  # a partial last tile where reg_w does not divide
+    occo, occi = sch.split(occ, [None, reg_c])
+    sch.reorder(occo, n, *rows, xo, ico, kh, kw, ici, occi, xi, ocb)
+    par = sch.fuse(occo, n, *rows)
+    epilogue = _move_epilogue(sch, block, xo)
+    parallelize(sch, par, total)
+    sch.unroll(ici)
+    sch.unroll(occi)
+    sch.unroll(xi)
+    sch.vectorize(ocb)
+    sch.decompose_reduction(block, ico)  # the init loops copy the tile's unroll and vector
+    _vectorize_epilogue(sch, epilogue)
+    _partition_tails(sch, (xo, width, reg_w), (par, chunks, reg_c))
+    finish_root(sch, params)
+    return sch
 
 
 PARTITION_HINT = "pragma_loop_partition_hint"  # read by TVM's LoopPartition lowering pass
