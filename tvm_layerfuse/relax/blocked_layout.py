@@ -50,7 +50,7 @@ from tvm.relax.utils import copy_with_new_vars
 
 from ._ir import FunctionFacts, op_name, static_shape
 from .fuse_epilogue import PREFIX
-from .fuse_prologue import PROLOGUE_PREFIX, prologue_group
+from .fuse_prologue import PROLOGUE_PREFIX, conv_of, prologue_group
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ def _blockable_group(func: relax.Function, lanes: int) -> bool:
     if not func.body.blocks:
         return False
     if composite.startswith(PROLOGUE_PREFIX):
-        return _prologue_conv(func) is not None and _blocked_channels(_prologue_conv(func), lanes)
+        conv = _prologue_conv(func)
+        return conv is not None and _blocked_channels(conv, lanes)
     if not composite.startswith(PREFIX):
         return False
     convs = [b.value for b in func.body.blocks[0].bindings if op_name(b.value) == "relax.nn.conv2d"]
@@ -178,12 +179,11 @@ def _blocked_channels(conv: relax.Call, lanes: int) -> bool:
 
 def _prologue_conv(func: relax.Function) -> Optional[relax.Call]:
     """The conv of a prologue group whose data is ``relu(x * s + t)`` of its parameter ``x``."""
-    values = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
-    convs = [v for v in values.values() if op_name(v) == "relax.nn.conv2d"]
-    if len(convs) != 1:
+    conv = conv_of(func)
+    if conv is None:
         return None
-    chain = _prologue_chain(convs[0].args[0], values)
-    return convs[0] if chain is not None and chain[0].same_as(func.params[0]) else None
+    chain = _prologue_chain(conv.args[0], {b.var: b.value for blk in func.body.blocks for b in blk.bindings})
+    return conv if chain is not None and chain[0].same_as(func.params[0]) else None
 
 
 def _prologue_chain(z, values: dict) -> Optional[tuple]:
@@ -237,10 +237,10 @@ def _regroup_prologues(mod: tvm.IRModule, weights: set[str]) -> tuple[tvm.IRModu
             callee = mod[value.op]
             if not isinstance(callee, relax.Function) or not str((callee.attrs or {}).get("Composite", "")).startswith(PREFIX):
                 continue
-            convs = [b.value for blk in callee.body.blocks for b in blk.bindings if op_name(b.value) == "relax.nn.conv2d"]
-            if len(convs) != 1 or not convs[0].args[0].same_as(callee.params[0]):
+            conv = conv_of(callee)
+            if conv is None or not conv.args[0].same_as(callee.params[0]):
                 continue
-            k = next((i for i, p in enumerate(callee.params) if p.same_as(convs[0].args[1])), None)
+            k = next((i for i, p in enumerate(callee.params) if p.same_as(conv.args[1])), None)
             if k is None:
                 continue
             weight = value.args[k]

@@ -105,7 +105,7 @@ class FuseConv2DPrologue:
             composite = str((callee.attrs or {}).get("Composite", "")) if isinstance(callee, relax.Function) else ""
             if not composite.startswith(PREFIX):  # not an epilogue group
                 return None
-            conv = _conv_of(callee)
+            conv = conv_of(callee)
             if conv is None or not conv.args[0].same_as(callee.params[0]):
                 return None
             data = value.args[0]
@@ -215,7 +215,8 @@ def prologue_group(data_ty, operand_ty, callee, call, bb: relax.BlockBuilder) ->
     return gv, rest_args
 
 
-def _conv_of(func: relax.Function) -> Optional[relax.Call]:
+def conv_of(func: relax.Function) -> Optional[relax.Call]:
+    """The one conv2d call of a group function, else None."""
     convs = [b.value for blk in func.body.blocks for b in blk.bindings if _op(b.value) == "relax.nn.conv2d"]
     return convs[0] if len(convs) == 1 else None
 
