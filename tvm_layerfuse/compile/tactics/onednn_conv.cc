@@ -402,10 +402,13 @@ uint64_t DescId(const dnnl::memory::desc& md) {
 
 // The packed identity of a call whose pieces' weights have the layouts `ids` (in piece order):
 // positive and non-zero, so it fits an attrs entry and 0 can mean "plain".
+// The identity of the hash of the descriptors' ids (never 0: 0 means plain weights).
+int64_t PackedIdOf(const Hasher& h) { return static_cast<int64_t>(h.h >> 2) | 1; }
+
 int64_t PackedId(const std::vector<uint64_t>& ids) {
   Hasher h;
   for (uint64_t id : ids) h.Add(id);
-  return static_cast<int64_t>(h.h >> 2) | 1;
+  return PackedIdOf(h);
 }
 
 // One conv layer (or one row range of a merged one): immutable once made, shared by every
@@ -797,7 +800,7 @@ void CheckPacked(const std::vector<std::shared_ptr<const Layer>>& layers, const 
   Hasher h;  // PackedId of the layers' weights_id, without a vector
   size_t bytes = 0;
   for (const auto& l : layers) h.Add(l->weights_id), bytes += l->weights_size;
-  const int64_t here = static_cast<int64_t>(h.h >> 2) | 1;
+  const int64_t here = PackedIdOf(h);
   if (here != at.packed || bytes != sizeof(float) * static_cast<size_t>(w.numel()))
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: layer " << at.layer << ": " << kPackedElsewhere << " (identity " << at.packed
                               << ", " << sizeof(float) * w.numel() << " bytes) that oneDNN " << dnnl_version()->major << '.'
