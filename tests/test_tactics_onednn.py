@@ -223,7 +223,7 @@ def test_tensors_between_onednn_layers_stay_blocked():
     assert err <= RTOL
     layouts = Counter(c.layout for c in layers if c.tactic == "onednn")
     assert layouts[f"{blocked}>{blocked}"] >= 8, layouts
-    assert all(c.kernel.startswith(("jit", "brg")) for c in layers if blocked in c.layout)
+    assert all(c.kernel.startswith(("jit", "brg")) for c in layers if c.tactic == "onednn" and blocked in c.layout)
     assert not any("nChw" in c.layout and blocked not in c.layout for c in layers), layouts
 
 
@@ -308,18 +308,19 @@ def test_artifact_carries_the_library_and_runs_runtime_only(tmp_path, capsys):
     out = compile_model(path, tmp_path / "art", target="cpu", progress=False)
     m = json.loads((out / "manifest.json").read_text())
     t = m["tactics"]
-    assert t["used"] == "onednn" and t["counts"]["onednn"] == 26 + 4  # 26 conv layers, 3 max-pools, the global average
+    assert t["used"] == "onednn" and t["counts"]["onednn"] == 26  # 26 conv layers
+    assert t["counts"]["tvm"] == 4  # 3 max-pools and the global average: TVM's kernels, in the library's layout
     (entry,) = t["libraries"]
     expected = {"file": onednn.LIBRARY_FILE, "needs": [onednn.SONAME], "install": onednn.INSTALL, "abi_version": ABI_VERSION}
     assert {k: entry[k] for k in expected} == expected and entry["built_against"]["version"].startswith("2.")
     assert onednn.LIBRARY_FILE in m["files"] and (out / onednn.LIBRARY_FILE).is_file()
     text = format_tactics(t)
-    assert "onednn: 30 layers" in text and "ref:" not in text and "avx" in text
+    assert "onednn: 26 layers" in text and "ref:" not in text and "avx" in text
     from tvm_layerfuse.cli import main
 
     assert main(["inspect", str(out)]) == 0  # inspect of an artifact shows every layer's tactic
     shown = capsys.readouterr().out
-    assert "target cpu" in shown and "onednn: 30 layers" in shown and shown.count("onednn ") >= 30
+    assert "target cpu" in shown and "onednn: 26 layers" in shown and shown.count("onednn ") >= 26 and shown.count("blocked pool") == 3
     feeds = random_inputs(model, 9)
     (expected,) = run_onnxruntime(model, feeds)
     assert rel_err(run_runtime_only(out, feeds, tmp_path)["output"], expected) <= RTOL

@@ -43,7 +43,9 @@ own, applied per Relax function in this order):
 - :mod:`.onednn_inplace`: ``prologues_read_pieces`` (DenseNet's concats never materialised),
   ``concats_in_place`` (convs write their channel ranges of a concat), ``residuals_in_place``
   (a residual conv writes into its residual's buffer);
-- :mod:`.verify_layouts`: every blocked tensor is read only by calls whose flags say so.
+- :mod:`.verify_layouts`: every blocked tensor is read only by calls whose flags say so;
+- :mod:`.tvm_pools`: ``pools_on_tvm`` (every pool runs as TVM's kernel in its tensors' layout,
+  a blocked one on views of the library's bytes).
 
 The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when the layer
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
@@ -60,7 +62,7 @@ tile and channel pair); its rounding differs from the direct sum by about 1e-6 r
 wherever oneDNN has it (tests) and records, where it has not (oneDNN 2.6 has Winograd
 kernels for AVX-512 only), why the layer stays direct (``timing``: ``NO_WINOGRAD``). ``pass.layers`` lists
 every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout", "timing"}``: conv layers,
-pools (``pool:<var>``, tactic ``onednn``), the classifier (``dense:<var>``: ``x @ w + b`` as a
+pools (``pool:<var>``, tactic ``tvm``: :mod:`.tvm_pools`), the classifier (``dense:<var>``: ``x @ w + b`` as a
 oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, ``in-place``, or ``read by
 prologues``).
 """
@@ -90,6 +92,7 @@ from .choice import LayerChoice
 from .onednn_inplace import concats_in_place, prologues_read_pieces, residuals_in_place
 from .onednn_layout import assign_layouts, dense_layers, merge_splits, pools_and_concats
 from .oracle import LibraryOracle, Oracle, current_oracle, use_oracle
+from .tvm_pools import pools_on_tvm
 from .verify_layouts import check_layouts
 
 __all__ = ["UseOneDNNConv", "LayerChoice", "Refused", "WINOGRAD_CHOICES", "WINOGRAD_GAIN", "Oracle", "LibraryOracle"]
@@ -189,6 +192,9 @@ class UseOneDNNConv:
         self.residuals = []
         mod = residuals_in_place(mod, self.residuals)
         check_layouts(mod)  # every blocked tensor read only where the reader's flags say so
+        for gv, func in relax_functions(mod):
+            if not is_primitive(func):
+                mod[gv] = pools_on_tvm(func, self.layers)
         used = sum(c.tactic == "onednn" for c in self.layers)
         log.info("oneDNN tactic for %d of %d conv layers", used, len(self.layers))
         return mod
