@@ -16,7 +16,9 @@ global average (``mean`` over H, W with keepdims, ``adaptive_avg_pool2d`` to 1x1
 ``layerfuse.onednn.pool2d``; a channel concat -> ``layerfuse.onednn.concat`` (one ``memcpy``
 per piece and image: TVM's in-place concat only moves TVM kernels' outputs), except a concat
 with an upsampled piece, which stays TVM's: FuseOps makes the upsample and the concat one
-kernel, as in TVM's default pipeline. A pool whose input a TVM kernel also reads (the squeeze
+kernel, as in TVM's default pipeline. (A pool call stands for the pool while the layouts are
+assigned; :mod:`.tvm_pools` then makes each one TVM's kernel in the layout it got.) A pool
+whose input a TVM kernel also reads (the squeeze
 of a squeeze-excite block: the gate multiply reads the same tensor) stays TVM's where oneDNN
 has only its scalar plain-layout kernel for it (``simple_nchw``): that input stays plain, and
 TVM's scheduled reduction is vector code.
