@@ -208,14 +208,11 @@ def tile_reduction(
     reg: int = 1,
     vectors: int = 1,
     local: bool = False,
-    flatten_with: Optional[int] = None,
     vf: Optional[int] = None,
 ):
     """The reduction loop nest of the module docstring for ``block`` (at the root), its
-    consumers computed per tile. Returns the parallel (outer) loop. ``flatten_with``: the
-    axis right before ``vec_axis``, fused with it into one vector axis (rows that are
-    contiguous in every buffer, e.g. a 1x1 conv's output and input rows); ``vf``: elements
-    per vector loop (default :func:`vector_factor`)."""
+    consumers computed per tile. Returns the parallel (outer) loop. ``vf``: elements per
+    vector loop (default :func:`vector_factor`)."""
     kinds = iter_kinds(sch, block)
     if "O" in kinds or "R" not in kinds:
         raise RuleRefused(f"block {sch.get(block).name_hint!r} is not a reduction ({kinds})")
@@ -226,12 +223,6 @@ def tile_reduction(
     loops = loops_per_iter(sch, block)
     ext = extents(sch, loops)
     total = work(sch, block)
-    if flatten_with is not None:
-        if flatten_with != vec_axis - 1:
-            raise RuleRefused("only the axis before the vector axis flattens with it")
-        loops[vec_axis] = sch.fuse(loops[flatten_with], loops[vec_axis])
-        ext[vec_axis] *= ext[flatten_with]
-        kinds = kinds[:flatten_with] + "-" + kinds[flatten_with + 1 :]  # gone
     if vf is None:
         vf = vector_factor(ext[vec_axis], params.lanes, vectors)
     xo, xi = sch.split(loops[vec_axis], [None, vf])

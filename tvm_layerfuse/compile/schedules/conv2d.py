@@ -14,10 +14,8 @@ output channels x output width, accumulated over the whole reduction in register
 
 ``x/i`` is a vector's worth of output columns (``CPUParams.lanes``: 16 AVX-512, 8 AVX2,
 4 NEON; a short row is taken whole); ``f/i`` the largest divisor of the output channels
-whose accumulators fit the target's vector registers. A 1x1 stride-1 conv without padding
-reads and writes whole planes contiguously: its output rows and columns are one axis, so
-the vector is a multiple of the lanes wherever ``H*W`` allows (28x28, 56x56) even when
-the width is not. A row of one column (a 1x1 output) vectorises over the output channels.
+whose accumulators fit the target's vector registers. A row of one column (a 1x1 output)
+vectorises over the output channels.
 
 This rule serves the convs left in NCHW: grouped convs, channel counts that are not whole
 vector blocks, and the convs oneDNN leaves to TVM. Where TVM runs every conv, the others are
@@ -62,19 +60,6 @@ def register_tile(channels: int, width_vectors: int, params: CPUParams) -> int:
     return largest_divisor(channels, min(budget, MAX_REG))
 
 
-def _pointwise(sch: s_tir.Schedule, block) -> bool:
-    """A 1x1, stride-1 conv without padding: output pixel (y, x) reads input pixel (y, x)."""
-    stmt = sch.get(block)
-    ys, xs = stmt.iter_vars[2].var, stmt.iter_vars[3].var
-    for region in stmt.reads:
-        buf = region.buffer if hasattr(region, "buffer") else region.source
-        if len(buf.shape) != 4:
-            return False
-        if all(r.min.same_as(v) and int(r.extent) == 1 for r, v in zip(region.region[2:], (ys, xs))):
-            return True
-    return False
-
-
 class Conv2D(Rule):
     name = "conv2d"
 
@@ -82,11 +67,7 @@ class Conv2D(Rule):
         sch = s_tir.Schedule(func)
         block = conv_block(sch)
         n, f, h, w = extents(sch, sch.get_loops(block))[:4]
-        if _pointwise(sch, block) and h * w >= params.lanes:  # contiguous planes: one long vector axis
-            vf = vector_factor(h * w, params.lanes)
-            reg = register_tile(f, -(-vf // params.lanes), params)
-            tile_reduction(sch, block, params, vec_axis=3, reg_axis=1, reg=reg, local=True, flatten_with=2)
-        elif w >= 2:
+        if w >= 2:
             vf = vector_factor(w, params.lanes)
             reg = register_tile(f, -(-vf // params.lanes), params)
             tile_reduction(sch, block, params, vec_axis=3, reg_axis=1, reg=reg, local=True)
