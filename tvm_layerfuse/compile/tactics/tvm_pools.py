@@ -17,9 +17,9 @@ more: ``ceil_mode``'s extra cells, which neither counts in an average: ``_pool_a
 such pools off ``count_include_pad``), which TVM lowers and the blocked pool rule schedules
 (:mod:`tvm_layerfuse.compile.schedules.reduction`: vector lanes along the block, a parallel
 outer loop, the padding read through a bounds check instead of a padded copy). oneDNN 2.6's
-``jit:avx2`` pooling took 2.5-5x as long as that kernel on every pool of GoogLeNet (single
-thread, ``DNNL_VERBOSE`` against the kernel's own time), and on plain tensors it has only a
-scalar loop (``simple_nchw``), so every pool is TVM's.
+``jit:avx2`` pooling took 2.3-5.5x as long as that kernel on every pool of GoogLeNet (single
+thread, ``DNNL_VERBOSE`` against the kernel's own time), and for the plain pools seen here it
+picks a scalar loop (``simple_nchw``), so every pool is TVM's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .choice import LayerChoice
 from .onednn_layout import ReplaceCalls, bindings_of
 
 BLOCKED = "a blocked pool: TVM's NCHW{b}c kernel reads the library's nChw{b}c bytes in place"
-PLAIN = "a plain pool: TVM's kernel is vector code, oneDNN's a scalar loop"
+PLAIN = "a plain pool: TVM's scheduled kernel"
 
 
 def _pool(x: relax.Expr, attrs: abi.PoolAttrs, out_shape) -> relax.Expr:
