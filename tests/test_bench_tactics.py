@@ -2,6 +2,7 @@
 is missing, before any model is built, and the per-kernel breakdown sorts library calls by kind."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -40,3 +41,30 @@ def test_breakdown_kinds():
         "max_pool2d": "pool",
     }
     assert {k: bench.kind_of(k) for k in kinds} == kinds
+
+
+def test_kernel_times_covers_every_kernel_call_of_an_artifact(tmp_path):
+    """scripts/kernel_times.py: one minimum per kernel call the artifact makes (as many as the
+    manifest counts), each a positive time, the convs among them."""
+    import onnx
+
+    from tvm_layerfuse.compile.build import compile_model
+    from tvm_layerfuse.testing import zoo
+
+    model = zoo.squeezenet1_1(image=32, seed=5)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    art = compile_model(path, tmp_path / "art", target="cpu", tactics="tvm", progress=False)
+    env = dict(os.environ)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import kernel_times  # sets OMP/TVM_NUM_THREADS where unset: for this process, not the next tests
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+        os.environ.clear()
+        os.environ.update(env)
+    best = {k: v for k, v in kernel_times.call_minima(str(art), 2).items() if not k[1].startswith("vm.")}
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert len(best) == manifest["fusion"]["kernels"]["kernels"], (len(best), manifest["fusion"]["kernels"])
+    assert all(v > 0 for v in best.values())
+    assert sum(kernel_times.kind_of(s) == "conv" for _, s in best) == 26, sorted(best)  # SqueezeNet's 26 convs
