@@ -1,5 +1,6 @@
 """scripts/bench_tactics.py: the chart option says in one line what it needs when matplotlib
-is missing, before any model is built, and the per-kernel breakdown sorts library calls by kind."""
+is missing, before any model is built, and the per-kernel breakdown sorts library calls by kind;
+scripts/kernel_times.py times every kernel call of an artifact."""
 
 import importlib.util
 import json
