@@ -181,9 +181,8 @@ def seed_rule_records(tasks: Sequence[Any], database, *, target, builder, runner
             continue
         args = ms.arg_info.ArgInfo.from_prim_func(workload["main"])
         runs.append((rec, workload, sch, b, args))
-    device = {"llvm": "cpu"}.get(target.kind.name, target.kind.name)
     log.debug("measuring the rules' schedules of %d tasks", len(runs))
-    futures = runner.run([ms.runner.RunnerInput(b.artifact_path, device, args) for *_, b, args in runs]) if runs else []
+    futures = runner.run([ms.runner.RunnerInput(b.artifact_path, "cpu", args) for *_, b, args in runs]) if runs else []
     for (rec, workload, sch, b, args), future in zip(runs, futures):
         result = future.result()
         ms.utils.remove_build_dir(b.artifact_path)

@@ -259,7 +259,7 @@ def tile_reduction(
 def _writes_param(sch: s_tir.Schedule, block) -> bool:
     """The block writes a buffer of the function's (not one allocated in the kernel)."""
     region = sch.get(block).writes[0]
-    written = region.buffer if hasattr(region, "buffer") else region.source
+    written = region.source
     allocated = sch.get(sch.get_sblock("root", func_name="main")).alloc_buffers
     return not any(b.same_as(written) for b in allocated)
 

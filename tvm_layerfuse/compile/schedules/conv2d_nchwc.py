@@ -120,7 +120,7 @@ def register_tile(width: int, chunks: int, params: CPUParams, *, flat: bool = Fa
 def _weight_block(sch: s_tir.Schedule, block) -> int:
     """The input-channel block of the 6-d weight ``[O_o, C_o, kh, kw, c_i, o_i]``."""
     for region in sch.get(block).reads:
-        buf = region.buffer if hasattr(region, "buffer") else region.source
+        buf = region.source
         if len(buf.shape) == 6:
             return int(buf.shape[4])
     raise RuleRefused("no 6-d weight read by the blocked conv")
@@ -141,13 +141,11 @@ class Conv2DNCHWc(Rule):
         kinds = iter_kinds(sch, block)
         if kinds != "SSSSSRRR":
             raise RuleRefused(f"blocked conv2d iterators {kinds}, expected SSSSSRRR")
-        if _flat_plane(sch, block, params):
+        if _flat_plane(sch, block, params):  # reads ``sch`` only: the rows' schedule below starts from it as it is
             try:
                 return self._flat(func, params)
             except RuleRefused as e:
                 log.debug("1x1 conv tiled along rows: %s", e)
-                sch = s_tir.Schedule(int32_indices(func))
-                block = [b for b in root_blocks(sch) if sch.get(b).name_hint.startswith(BLOCK)][0]
         total = work(sch, block)
         sch.cache_write(block, 0, "local")  # the tile accumulates in registers, written once
         _inline_epilogue(sch, block)
@@ -249,14 +247,15 @@ PARTITION_HINT = "pragma_loop_partition_hint"  # read by TVM's LoopPartition low
 def _flat_plane(sch: s_tir.Schedule, block, params: CPUParams) -> bool:
     """A 1x1 conv with stride 1 and no padding (it reads a 5-d input of its output's height
     and width) whose rows tile worse than its plane: the row tile leaves a partial tile or
-    differs from the plane's, and its channel tiles keep every core busy. Where both are the same whole tiles (4 x 2 on 56- and 28-wide
-    rows on AVX2) the rows stay: the same inner loop, and the flat form measured no better."""
+    differs from the plane's, and its channel tiles keep every core busy. Where both are the
+    same whole tiles (4 x 2 on 56- and 28-wide rows on AVX2) the rows stay: the same inner
+    loop, and the flat form measured no better."""
     ivs = sch.get(block).iter_vars
     if len(ivs) != 8 or int(ivs[6].dom.extent) != 1 or int(ivs[7].dom.extent) != 1:
         return False
     chunks, height, width = (int(iv.dom.extent) for iv in ivs[1:4])
     for region in sch.get(block).reads:
-        buf = region.buffer if hasattr(region, "buffer") else region.source
+        buf = region.source
         if len(buf.shape) == 5 and tuple(int(d) for d in buf.shape[2:4]) != (height, width):
             return False
     rows = register_tile(width, chunks, params)

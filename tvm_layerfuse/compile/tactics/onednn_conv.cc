@@ -400,11 +400,11 @@ uint64_t DescId(const dnnl::memory::desc& md) {
   return h.h;
 }
 
-// The packed identity of a call whose pieces' weights have the layouts `ids` (in piece order):
-// positive and non-zero, so it fits an attrs entry and 0 can mean "plain".
 // The identity of the hash of the descriptors' ids (never 0: 0 means plain weights).
 int64_t PackedIdOf(const Hasher& h) { return static_cast<int64_t>(h.h >> 2) | 1; }
 
+// The packed identity of a call whose pieces' weights have the layouts `ids` (in piece order):
+// positive and non-zero, so it fits an attrs entry and 0 can mean "plain".
 int64_t PackedId(const std::vector<uint64_t>& ids) {
   Hasher h;
   for (uint64_t id : ids) h.Add(id);
