@@ -91,32 +91,43 @@ def test_prelu_and_lookalikes_stay_with_tvm_with_the_reason():
     assert all(c.tactic == "tvm" and "other constants" in c.reason for c in odd)
 
 
-def _gated(*, gate_first: bool, scale: str, seed: int):
+def _gated(*, gate_first: bool, scale: str, seed: int, channels: int = 24):
     """A squeeze-and-excitation block as torchvision writes it: x = relu(conv(in));
     s = scale(fc2(relu(fc1(GlobalAveragePool(x))))); Mul(s, x) (or Mul(x, s)); then a 1x1 conv."""
     n = Net(seed=seed)
     x = n.input("x", (1, 16, 12, 12))
-    x = n.relu(n.conv(x, 24, name="c"))
-    s = n.node("GlobalAveragePool", [x], shape=(1, 24, 1, 1))
+    x = n.relu(n.conv(x, channels, name="c"))
+    s = n.node("GlobalAveragePool", [x], shape=(1, channels, 1, 1))
     s = n.relu(n.conv(s, 8, k=1, pad=0, name="fc1"))
-    s = n.node(scale, [n.conv(s, 24, k=1, pad=0, name="fc2")], shape=(1, 24, 1, 1))
-    y = n.node("Mul", [s, x] if gate_first else [x, s], shape=(1, 24, 12, 12))
+    s = n.node(scale, [n.conv(s, channels, k=1, pad=0, name="fc2")], shape=(1, channels, 1, 1))
+    y = n.node("Mul", [s, x] if gate_first else [x, s], shape=(1, channels, 12, 12))
     return n.build([n.conv(y, 16, k=1, pad=0, name="project")])
 
 
-@pytest.mark.parametrize("gate_first, scale", [(True, "Sigmoid"), (False, "HardSigmoid")])
-def test_squeeze_excitation_gate_conv_is_taken_and_the_multiply_stays_after_it(gate_first, scale):
-    """The gate's conv and its activation on oneDNN; ``* x`` after it, on TVM, in the order
-    the model wrote it; answers equal onnxruntime's."""
-    err, layers = _run(_gated(gate_first=gate_first, scale=scale, seed=21 + gate_first))
+@pytest.mark.parametrize(
+    "gate_first, scale, channels", [(True, "Sigmoid", 24), (False, "HardSigmoid", 24), (True, "Sigmoid", 20)]
+)
+def test_squeeze_excitation_gate_runs_on_the_library_in_the_convs_layout(gate_first, scale, channels):
+    """The gate's conv and its activation on oneDNN; ``* x`` after it, as the library's
+    ``scale_channels`` (either operand order); answers equal onnxruntime's. With C a multiple of
+    the block width the gated tensor, the squeeze that reads it and the product stay in the
+    blocked layout from the conv that makes x to the conv that reads the product (no reorder
+    on either side); otherwise all of it is plain."""
+    width = onednn.block_width()
+    err, layers = _run(_gated(gate_first=gate_first, scale=scale, seed=21 + gate_first + channels, channels=channels))
     assert err <= RTOL, err
     (gate,) = [c for c in layers if c.layer.endswith("_gate") or "_gate_" in c.layer]
     assert gate.tactic == "onednn", gate
-    assert all(c.tactic == "onednn" for c in layers if not c.layer.startswith(("pool:", "dense:", "concat:"))), layers
-    # the squeeze reads x, which the multiply (TVM) reads too, so x stays plain: no pool runs on
-    # oneDNN's scalar plain-layout kernel; TVM's scheduled reduction takes it
-    pools = [c for c in layers if c.layer.startswith("pool:")]
-    assert all(c.tactic == "tvm" or c.kernel.startswith("jit") for c in pools), pools
+    (scaled,) = [c for c in layers if c.layer.startswith("scale:")]
+    (pool,) = [c for c in layers if c.layer.startswith("pool:")]
+    convs = [c for c in layers if " w[" in c.shape]
+    (c,) = [c for c in convs if c.shape.startswith("x[1, 16, 12, 12]")]
+    (project,) = [c for c in convs if c.shape.startswith(f"x[1, {channels}, 12, 12]")]
+    blocked = onednn.layout_name(width) if width and channels % width == 0 else "nchw"
+    assert (scaled.tactic, scaled.kernel, scaled.layout) == ("loop", "scale_channels", blocked), scaled
+    assert c.layout.endswith(">" + blocked) and project.layout.startswith(blocked + ">"), (c, project)
+    assert pool.tactic == "tvm" and pool.layout == blocked, pool
+    assert all(c.tactic == "onednn" for c in layers if not c.layer.startswith(("pool:", "scale:"))), layers
 
 
 def test_a_residual_computed_from_the_conv_itself_stays_with_tvm():

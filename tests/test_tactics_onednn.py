@@ -267,7 +267,7 @@ def test_attrs_with_an_unknown_block_width_are_refused():
 def test_random_graphs_match_onnxruntime(seed):
     err, layers = _run_with_tactic(random_cnn(seed, max_layers=8))
     assert err <= RTOL
-    assert all(c.tactic in ("onednn", "tvm") for c in layers)
+    assert all(c.tactic in ("onednn", "tvm", "loop") for c in layers)
     assert all(c.reason for c in layers if c.tactic == "tvm")  # every refusal says why
 
 
@@ -323,6 +323,31 @@ def test_artifact_carries_the_library_and_runs_runtime_only(tmp_path, capsys):
     assert "target cpu" in shown and "onednn: 26 layers" in shown and shown.count("onednn ") >= 26 and shown.count("blocked pool") == 3
     feeds = random_inputs(model, 9)
     (expected,) = run_onnxruntime(model, feeds)
+    assert rel_err(run_runtime_only(out, feeds, tmp_path)["output"], expected) <= RTOL
+
+
+@needs_onednn
+def test_squeeze_excitation_gates_run_on_the_library_in_an_artifact(tmp_path):
+    """EfficientNet's blocks (SiLU depthwise convs, squeeze-and-excitation gates) through
+    compile -> artifact -> a runtime-only process, against onnxruntime: every gate is the
+    library's ``scale_channels`` in the blocked layout, and the depthwise conv that makes the
+    gated tensor and the projection conv that reads the product keep that layout (no reorder
+    between them)."""
+    model = zoo.efficientnet_like(seed=5)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    out = compile_model(path, tmp_path / "art", target="cpu", progress=False)
+    layers = json.loads((out / "manifest.json").read_text())["tactics"]["layers"]
+    blocked = onednn.layout_name(onednn.block_width())
+    scales = [c for c in layers if c["layer"].startswith("scale:")]
+    blocks = sum(n for *_, n in zoo.EFFICIENTNET_SMALL)
+    assert len(scales) == blocks and all((c["tactic"], c["layout"]) == ("loop", blocked) for c in scales), scales
+    gated = {c["shape"].split(" g")[0] for c in scales}  # x[1, C, H, W] of each gate
+    depthwise = [c for c in layers if c["tactic"] == "onednn" and c["layer"].startswith("layerfuse_conv2d_bias_silu")]
+    assert all(c["layout"].endswith(">" + blocked) for c in depthwise if c["shape"].split(" w")[0] in gated)
+    feeds = random_inputs(model, 4)
+    (expected,) = run_onnxruntime(model, feeds)
+    assert np.abs(expected).max() > 1e-3, "dead output"
     assert rel_err(run_runtime_only(out, feeds, tmp_path)["output"], expected) <= RTOL
 
 

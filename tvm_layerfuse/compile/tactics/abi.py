@@ -32,6 +32,7 @@ to_blocked              input, attrs                                    -> out
 concat                  inputs*                                         -> out
 concat_convs            spec, members* (each member: its call's own arguments)  -> out
 pool2d                  input, attrs                                    -> out
+scale_channels          input, scale, attrs (ScaleAttrs)                -> out
 dense                   input, weight, bias, attrs (DenseAttrs)         -> out
 ======================  =====================================================================
 """
@@ -43,9 +44,10 @@ import struct
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
-ABI_VERSION = 4  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
+ABI_VERSION = 5  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
 # 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,);
 # 4: a conv's weights may come packed (ConvAttrs.packed and the weight dims); dense takes attrs (DenseAttrs)
+# 5: scale_channels (a squeeze-and-excitation gate in the convs' layout)
 
 NAMESPACE = "layerfuse.onednn."
 BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
@@ -264,6 +266,16 @@ class ToBlockedAttrs(_Record):
 
 
 @dataclass(frozen=True)
+class ScaleAttrs(_Record):
+    """``scale_channels``' attrs: the block width of its input and output (0 plain)."""
+
+    block: int = 0
+
+    def check(self) -> None:
+        _check_width("scale_channels' block", self.block)
+
+
+@dataclass(frozen=True)
 class DenseAttrs(_Record):
     """``dense``'s attrs: ``packed`` 0 for plain weights ``[K, M]``; else the identity of the
     layout its oneDNN matmul picks, the weights coming packed in it (1-d), ``k`` and ``m`` their dims."""
@@ -419,10 +431,13 @@ TO_BLOCKED = LibraryCall("to_blocked", ("input", "attrs"), ToBlockedAttrs, ("nch
 CONCAT = LibraryCall("concat", ("inputs*",), None, _EITHER, _EITHER)
 CONCAT_CONVS = LibraryCall("concat_convs", ("attrs", "members*"), ConcatSpec, _EITHER, _EITHER)
 POOL2D = LibraryCall("pool2d", ("input", "attrs"), PoolAttrs, _EITHER, _EITHER)
+# out = x * g, g [N, C, 1, 1] (the scale role): a squeeze-and-excitation gate
+SCALE_CHANNELS = LibraryCall("scale_channels", ("input", "scale", "attrs"), ScaleAttrs, _EITHER, _EITHER)
 DENSE = LibraryCall("dense", ("input", "weight", "bias", "attrs"), DenseAttrs)
 
 CALLS: dict[str, LibraryCall] = {
-    c.name: c for c in (CONV2D, CONV2D_ADD, CONV2D_PRE, CONV2D_ADD_INPLACE, TO_BLOCKED, CONCAT, CONCAT_CONVS, POOL2D, DENSE)
+    c.name: c
+    for c in (CONV2D, CONV2D_ADD, CONV2D_PRE, CONV2D_ADD_INPLACE, TO_BLOCKED, CONCAT, CONCAT_CONVS, POOL2D, SCALE_CHANNELS, DENSE)
 }
 CONVS = (CONV2D, CONV2D_ADD, CONV2D_PRE)  # the conv calls Relax makes (call_dps_packed)
 MEMBERS = {c.member: c for c in CALLS.values() if c.member is not None}
@@ -617,6 +632,7 @@ def records() -> dict[str, tuple[str, tuple[str, ...]]]:
         "ConvField": ("", ConvAttrs.names()),
         "PoolField": ("", PoolAttrs.names()),
         "ToBlockedField": ("", ToBlockedAttrs.names()),
+        "ScaleField": ("scale_", ScaleAttrs.names()),
         "DenseField": ("dense_", DenseAttrs.names()),
         "MemberField": ("", ConcatSpec.FIELDS),
         "Activation": ("", tuple(ACTIVATIONS)),
@@ -678,6 +694,8 @@ __all__ = [
     "POOL2D",
     "POOL_ALGORITHMS",
     "PoolAttrs",
+    "SCALE_CHANNELS",
+    "ScaleAttrs",
     "TO_BLOCKED",
     "ToBlockedAttrs",
     "BLOCK_WIDTHS",

@@ -86,6 +86,10 @@
 //       1 average counting the padding, 2 average over the input
 //       elements only; out's size decides the right/bottom padding oneDNN adds (ceil_mode);
 //       x and out both in nChwBc when block = B != 0, else both NCHW
+//   layerfuse.onednn.scale_channels (x, g, attrs, out)   out = x * g: x, out [N, C, H, W], g
+//       [N, C, 1, 1] (a squeeze-and-excitation gate, broadcast over H, W); attrs: enum
+//       ScaleField (abi.ScaleAttrs: block): x and out both in nChwBc when block = B != 0
+//       (C % B == 0: g has the same bytes in both layouts), else both NCHW
 //
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
@@ -154,7 +158,7 @@ float FloatBits(int64_t v) {
 // The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
 // below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
 // together and raise kAbiVersion with abi.ABI_VERSION.
-constexpr int64_t kAbiVersion = 4;
+constexpr int64_t kAbiVersion = 5;
 
 // ConvAttrs: a conv's attrs
 enum ConvField : int {
@@ -169,6 +173,8 @@ enum PoolField : int {
 };
 // ToBlockedAttrs: to_blocked's attrs
 enum ToBlockedField : int { kBlock, kToBlockedFieldCount };
+// ScaleAttrs: scale_channels' attrs
+enum ScaleField : int { kScaleBlock, kScaleFieldCount };
 // DenseAttrs: dense's attrs
 enum DenseField : int { kDensePacked, kDenseK, kDenseM, kDenseFieldCount };
 // ConcatSpec: (block, then per member these fields)
@@ -689,6 +695,66 @@ LAYERFUSE_CLONES void NormaliseBlock(const float* __restrict x, const float* __r
   } else {
     for (int64_t p = 0; p < hw; ++p)
       for (int l = 0; l < 8; ++l) y[p * 8 + l] = std::max(x[p * 8 + l] * sv[l] + tv[l], 0.f);
+  }
+}
+
+// y = x * g for hw pixels of one channel (NCHW)
+LAYERFUSE_CLONES void ScaleChannel(const float* __restrict x, float g, float* __restrict y, int64_t hw) {
+  int64_t p = 0;
+  for (; p + 16 <= hw; p += 16)
+    for (int l = 0; l < 16; ++l) y[p + l] = x[p + l] * g;
+  for (; p < hw; ++p) y[p] = x[p] * g;
+}
+
+// the same for hw pixels of one B-channel block (nChwBc), g: the block's B factors
+LAYERFUSE_CLONES void ScaleBlock(const float* __restrict x, const float* __restrict g, float* __restrict y, int64_t hw,
+                                 int64_t block) {
+  float gv[16];
+  for (int l = 0; l < block; ++l) gv[l] = g[l];
+  if (block == 16) {
+    for (int64_t p = 0; p < hw; ++p)
+      for (int l = 0; l < 16; ++l) y[p * 16 + l] = x[p * 16 + l] * gv[l];
+  } else {
+    for (int64_t p = 0; p < hw; ++p)
+      for (int l = 0; l < 8; ++l) y[p * 8 + l] = x[p * 8 + l] * gv[l];
+  }
+}
+
+// out = x * g, g [N, C, 1, 1] broadcast over H, W: the gate of a squeeze-and-excitation block,
+// in the layout of the convs around it (attrs: (block,)), so that the tensor it scales stays
+// blocked from the conv that makes it to the conv that reads the product. One unit is one
+// channel (NCHW) or one B-channel block (nChwBc: [N, C/B, H, W, B], whose factors are
+// g[n, cB : cB + B], the same bytes in both layouts) of one image, spread over oneDNN's OpenMP
+// threads in one parallel region.
+void ScaleChannels(TensorView x, TensorView g, Shape attrs, TensorView out) {
+  CheckTensor(x, 4, "input");
+  CheckTensor(g, 4, "gate");
+  CheckTensor(out, 4, "output");
+  if (attrs.size() != kScaleFieldCount)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.scale_channels: attrs must have " << kScaleFieldCount << " entry, got "
+                              << attrs.size();
+  const int64_t block = attrs[kScaleBlock];
+  CheckBlock(block);
+  const int64_t N = x.shape()[0], C = x.shape()[1], HW = x.shape()[2] * x.shape()[3];
+  for (int i = 0; i < 4; ++i)
+    if (out.shape()[i] != x.shape()[i]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.scale_channels: output shape != input shape";
+  if (g.shape()[0] != N || g.shape()[1] != C || g.shape()[2] * g.shape()[3] != 1)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.scale_channels: the gate must be [N, C, 1, 1] of the input's N, C";
+  if (block && C % block)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.scale_channels: blocked channels must be a multiple of " << block;
+  const float* xp = Data(x);
+  const float* gp = Data(g);
+  float* yp = const_cast<float*>(Data(out));
+  const int64_t step = block ? block : 1;
+  const int64_t units = N * (C / step);
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t offset = u * step * HW;  // unit u: image u / (C / step), channels from (u % (C / step)) * step
+    if (block) {
+      ScaleBlock(xp + offset, gp + u * step, yp + offset, HW, block);
+    } else {
+      ScaleChannel(xp + offset, gp[u], yp + offset, HW);
+    }
   }
 }
 
@@ -1447,6 +1513,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.concat_convs", Function::FromPacked(layerfuse_onednn::ConcatConvs), true);
   Function::SetGlobal("layerfuse.onednn.pool2d", Function::FromTyped(layerfuse_onednn::Pool2d), true);
   Function::SetGlobal("layerfuse.onednn.dense", Function::FromTyped(layerfuse_onednn::Dense), true);
+  Function::SetGlobal("layerfuse.onednn.scale_channels", Function::FromTyped(layerfuse_onednn::ScaleChannels), true);
   Function::SetGlobal("layerfuse.onednn.dense_implementation", Function::FromTyped(layerfuse_onednn::DenseImplementation),
                       true);
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),

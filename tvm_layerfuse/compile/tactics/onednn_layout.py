@@ -18,8 +18,8 @@ per piece and image: TVM's in-place concat only moves TVM kernels' outputs), exc
 with an upsampled piece, which stays TVM's: FuseOps makes the upsample and the concat one
 kernel, as in TVM's default pipeline. (A pool call stands for the pool while the layouts are
 assigned; :mod:`.tvm_pools` then makes each one TVM's kernel in the layout it got.) A pool
-whose input a TVM kernel also reads (the squeeze
-of a squeeze-excite block: the gate multiply reads the same tensor) stays TVM's where oneDNN
+whose input a TVM kernel also reads (the squeeze of a squeeze-excite block whose gate
+multiply stays TVM's, see :mod:`.onednn_scale`) stays TVM's where oneDNN
 has only its scalar plain-layout kernel for it (``simple_nchw``): that input stays plain, and
 TVM's scheduled reduction is vector code.
 
@@ -288,7 +288,7 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
             if bound.call is abi.CONCAT:
                 for a in bound.args.inputs:
                     classes.union(a, b.var)
-            elif bound.call is abi.POOL2D:
+            elif bound.call in (abi.POOL2D, abi.SCALE_CHANNELS):
                 classes.union(bound.args.input, b.var)
             elif bound.call is abi.CONV2D_ADD and isinstance(bound.args.residual, relax.Var):
                 classes.union(bound.args.residual, b.var)
@@ -358,8 +358,8 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
 
 
 def _with_layout(bound: abi.Bound, flags: tuple[int, int]):
-    """The attrs of the conv or pool call ``bound`` with the block widths ``flags`` (src, dst)."""
-    if bound.call is abi.POOL2D:
+    """The attrs of the conv, pool or scale call ``bound`` with the block widths ``flags`` (src, dst)."""
+    if bound.call in (abi.POOL2D, abi.SCALE_CHANNELS):
         return bound.attrs.replace(block=flags[0])
     return bound.attrs.replace(src_block=flags[0], dst_block=flags[1])
 
@@ -387,11 +387,11 @@ def _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, c
         for v, bound in calls.items():
             if bound.call.conv:
                 flags[v] = conv_flags(v, bound, padded)
-            elif bound.call is abi.POOL2D:
+            elif bound.call in (abi.POOL2D, abi.SCALE_CHANNELS):
                 flags[v] = (width * (v in blocked), width * (v in blocked))
         refused = []
         for v, f in flags.items():
-            if not any(f):
+            if not any(f) or calls[v].call is abi.SCALE_CHANNELS:  # the library's own loop: any layout
                 continue
             if (v, f) not in checked:
                 checked[(v, f)] = _kernel(v, calls[v], _with_layout(calls[v], f))
@@ -480,6 +480,11 @@ def _record_layouts(layers: list, calls: dict, flags: dict, notes: dict) -> None
     for v, bound in calls.items():
         attrs = flags.get(v)
         if attrs is None:
+            continue
+        if bound.call is abi.SCALE_CHANNELS:
+            c = by_name.get(f"scale:{v.name}")
+            if c is not None:
+                c.layout = abi.layout_name(attrs.block)
             continue
         if bound.call is abi.POOL2D:
             c = by_name.get(f"pool:{v.name}")

@@ -25,9 +25,9 @@ LeakyRelu, clip, silu, sigmoid, HardSwish, HardSigmoid and GELU (erf or tanh) be
 oneDNN post-ops; multiplies before the activation, adds after it and PReLU stay with TVM.
 A squeeze-and-excitation gate ``act(conv(x, W) + b) * g`` (``g`` a map of the conv's
 ``[N, C, 1, 1]``) has no oneDNN post-op, as its output is larger than the conv's: the conv
-and its activation become the library call and the multiply stays a Relax op after it, for
-TVM's own fusion and schedules (one launch more than TVM's fused kernel, a conv on the
-library instead of TVM's loop nest)::
+and its activation become the library call and the multiply stays a Relax op after it (one
+launch more than TVM's fused kernel, a conv on the library instead of TVM's loop nest), which
+:mod:`.onednn_scale` then gives to the library's ``scale_channels`` where ``g`` is library-made::
 
     y = act(conv2d(x, W) + b) * g  ==  R.multiply(R.call_dps_packed("layerfuse.onednn.conv2d", ...), g)
 A bare conv gets ``b = 0``. ``reshape(b)`` and the weight expressions depend
@@ -37,7 +37,8 @@ After the conv layers, the pass moves the data around them (each step a function
 own, applied per Relax function in this order):
 
 - :mod:`.onednn_layout`: ``merge_splits`` (a merged conv's split pieces as its outputs),
-  ``dense_layers`` (the classifier), ``pools_and_concats`` (pools and concats that read oneDNN
+  ``dense_layers`` (the classifier), :func:`.onednn_scale.channel_scales` (squeeze-and-excitation
+  gates of library tensors, ``scale:<var>``), ``pools_and_concats`` (pools and concats that read oneDNN
   tensors), ``assign_layouts`` (``nChw16c`` / ``nChw8c``, the block width of this CPU's kernels,
   between library calls);
 - :mod:`.onednn_inplace`: ``prologues_read_pieces`` (DenseNet's concats never materialised),
@@ -91,6 +92,7 @@ from . import abi
 from .choice import LayerChoice
 from .onednn_inplace import concats_in_place, prologues_read_pieces, residuals_in_place
 from .onednn_layout import assign_layouts, dense_layers, merge_splits, pools_and_concats
+from .onednn_scale import channel_scales
 from .oracle import LibraryOracle, Oracle, current_oracle, use_oracle
 from .tvm_pools import pools_on_tvm
 from .verify_layouts import check_layouts
@@ -182,7 +184,8 @@ class UseOneDNNConv:
         mod = relax.transform.DeadCodeElimination()(mod)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
-                mod[gv] = assign_layouts(pools_and_concats(dense_layers(func, self.layers), self.layers), self.layers)
+                func = channel_scales(dense_layers(func, self.layers), self.layers)
+                mod[gv] = assign_layouts(pools_and_concats(func, self.layers), self.layers)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
                 if self.pieces:
