@@ -110,6 +110,35 @@ def test_runtime_only_in_a_bundle(cpu_artifacts, model_path, tmp_path):
     assert rel_err(expected, got) <= RTOL
 
 
+def test_runs_refill_their_inputs_and_return_copies(cpu_artifacts, model_path, tmp_path):
+    """A run copies its inputs into the thread's input tensors (any strides) and returns
+    copies: one run's outputs stay as they were after the next run, also where an output is
+    the input tensor itself."""
+    fused, _ = cpu_artifacts
+    rt = load(fused)
+    a_in, b_in = _feeds(model_path, 1), _feeds(model_path, 2)
+    a = rt.run(a_in)["output"]
+    kept = a.copy()
+    b = rt.run(b_in)["output"]
+    assert np.array_equal(a, kept) and rel_err(a, b) > 1e-2
+    ((name, x),) = a_in.items()
+    assert rel_err(rt.run({name: np.asfortranarray(x)})["output"], kept) <= 1e-6  # read by value, not by layout
+
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "identity",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "identity.onnx"))
+    identity = load(compile_model(tmp_path / "identity.onnx", tmp_path / "identity", target="cpu", progress=False))
+    first = identity.run({"x": np.arange(4, dtype=np.float32).reshape(1, 4)})["y"]
+    second = identity.run({"x": np.ones((1, 4), np.float32)})["y"]
+    assert first.tolist() == [[0, 1, 2, 3]] and second.tolist() == [[1, 1, 1, 1]]
+
+
 def test_aarch64_artifact_is_an_arm_elf(model_path, tmp_path):
     if shutil.which("aarch64-linux-gnu-gcc") is None:
         pytest.skip("the aarch64 cross compiler is not installed (apt-get install gcc-aarch64-linux-gnu)")
