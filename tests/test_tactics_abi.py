@@ -26,6 +26,7 @@ def test_cpp_constants_follow_the_python_field_order():
     assert abi.check_record_order(source.replace("kSrcBlock, kDstBlock", "kDstBlock, kSrcBlock"))
     assert abi.check_record_order(source.replace("kPoolPadRight,\n  kPoolBlock", "kPoolBlock,\n  kPoolPadRight"))
     assert abi.check_record_order(source.replace("enum ToBlockedField : int { kBlock,", "enum ToBlockedField : int { kWidth,"))
+    assert abi.check_record_order(source.replace("enum ScaleField : int { kScaleBlock,", "enum ScaleField : int { kScaleWidth,"))
     assert re.search(rf"constexpr int64_t kAbiVersion = {abi.ABI_VERSION};", source), "the C++ ABI version is abi.ABI_VERSION"
 
 
@@ -36,9 +37,10 @@ def test_cpp_constants_follow_the_python_field_order():
         abi.ConvAttrs().replace(src_block=8, dst_block=abi.dst_block([16, 0, 8])),
         abi.PoolAttrs(abi.POOL_ALGORITHMS["avg"], 3, 3, 2, 2, 1, 1, 1, 1, 8),
         abi.ToBlockedAttrs(16),
+        abi.ScaleAttrs(8),
         abi.ConcatSpec(16, (abi.Member(abi.CONV, 0, 4), abi.Member(abi.COPY, 16, 1), abi.Member(abi.CONV_PRE, 48, 7))),
     ],
-    ids=["conv", "conv-blocked", "pool", "to_blocked", "concat"],
+    ids=["conv", "conv-blocked", "pool", "to_blocked", "scale", "concat"],
 )
 def test_records_round_trip_through_their_shape(record):
     shape = record.to_shape()
@@ -82,9 +84,10 @@ def test_block_widths_are_named_fields():
         lambda: abi.ConvAttrs().replace(dst_block=abi.dst_block([16, 4])).check(),
         lambda: abi.PoolAttrs.from_shape([0, 2, 2, 2, 2, 0, 0, 0, 0, 32]),
         lambda: abi.ToBlockedAttrs.from_shape([0]),
+        lambda: abi.ScaleAttrs.from_shape([4]),
         lambda: abi.ConcatSpec.from_shape([1, abi.COPY, 0, 1]),
     ],
-    ids=["conv-src", "conv-dst", "pool", "to_blocked", "concat"],
+    ids=["conv-src", "conv-dst", "pool", "to_blocked", "scale", "concat"],
 )
 def test_unknown_block_widths_are_refused(make):
     with pytest.raises(abi.AbiError, match="block"):

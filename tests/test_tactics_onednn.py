@@ -19,7 +19,7 @@ from tvm import relax
 from graphs import Net, rel_err, run_runtime_only
 from tvm_layerfuse.compile.build import compile_model
 from tvm_layerfuse.compile.presets import resolve
-from tvm_layerfuse.compile.tactics import apply_tactics, format_tactics, onednn
+from tvm_layerfuse.compile.tactics import abi, apply_tactics, format_tactics, onednn
 from tvm_layerfuse.compile.tactics.abi import ABI_VERSION, ACTIVATIONS, ConvAttrs
 from tvm_layerfuse.compile.tactics.use_onednn import NO_WINOGRAD, WINOGRAD_GAIN, UseOneDNNConv
 from tvm_layerfuse.errors import ArtifactError, BuildError
@@ -193,6 +193,38 @@ def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length()
     n = len(ConvAttrs.names())
     with pytest.raises(Exception, match=f"attrs must have {n} entries"):
         onednn.time_conv([1, 16, 8, 8], [16, 16, 3, 3], [1] * (n - 1), [1] * (n - 1), residual=False)
+
+
+def _blocked(a: np.ndarray, block: int) -> np.ndarray:
+    """NCHW ``a`` as nChwBc bytes ([N, C/B, H, W, B], typed back to [N, C, H, W]); 0: as is."""
+    if not block:
+        return a
+    n, c, h, w = a.shape
+    return np.ascontiguousarray(a.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2)).reshape(n, c, h, w)
+
+
+@needs_onednn
+@pytest.mark.parametrize("block", [0, 8, 16])
+def test_scale_channels_gates_each_channel_in_either_layout_and_refuses_misfits(block):
+    """``scale_channels(x, g)`` = ``x * g`` with ``g`` [N, C, 1, 1], on NCHW or nChwBc bytes
+    (g's bytes are the same in both), batch 2; a gate of another shape, channels that are no
+    whole blocks and attrs of the wrong length are refused in one line."""
+    onednn.load()
+    scale = tvm.get_global_func(abi.SCALE_CHANNELS.name)
+    rng = np.random.default_rng(block)
+    x = rng.standard_normal((2, 32, 5, 3)).astype(np.float32)
+    g = rng.uniform(0.5, 2.0, (2, 32, 1, 1)).astype(np.float32)
+    out = tvm.runtime.empty(x.shape, "float32")
+    scale(tvm.runtime.tensor(_blocked(x, block)), tvm.runtime.tensor(g), tvm.runtime.ShapeTuple([block]), out)
+    np.testing.assert_array_equal(out.numpy(), _blocked(x * g, block))
+    with pytest.raises(Exception, match="gate must be"):
+        scale(tvm.runtime.tensor(x), tvm.runtime.tensor(g[:1]), tvm.runtime.ShapeTuple([block]), out)
+    odd = tvm.runtime.tensor(x[:, :20].copy())
+    if block:
+        with pytest.raises(Exception, match="multiple of"):
+            scale(odd, tvm.runtime.tensor(g[:, :20].copy()), tvm.runtime.ShapeTuple([block]), tvm.runtime.empty(odd.shape, "float32"))
+    with pytest.raises(Exception, match="attrs must have 1 entry"):
+        scale(tvm.runtime.tensor(x), tvm.runtime.tensor(g), tvm.runtime.ShapeTuple([block, 0]), out)
 
 
 @needs_onednn
