@@ -327,6 +327,14 @@ struct Reorder {
 
 dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
 
+// One OpenMP thread for the calling thread while this lives (restored however the scope ends):
+// a oneDNN kernel made meanwhile fixes one thread as its thread count.
+struct OneThread {
+  int saved = omp_get_max_threads();
+  OneThread() { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(saved); }
+};
+
 dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w, const Attrs& at, bool residual,
                                                    int64_t dst_block) {
   const int64_t N = x[0], C = x[1], H = x[2], W = x[3];
@@ -352,6 +360,16 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
   AppendActivation(ops, at);
   dnnl::primitive_attr attr = UserScratchpad();
   attr.set_post_ops(ops);
+  if (OH * OW == 1 && H * W == 1) {
+    // One pixel per image and channel (the 1x1 convs of a squeeze-and-excitation block, on
+    // [N, C, 1, 1]): oneDNN 2.6's kernels split a conv over its output pixels, so this one runs
+    // on one thread whatever the team; made for one thread (a kernel's thread count is fixed
+    // when its descriptor is made), it runs without a parallel region around it either, as
+    // oneDNN calls a one-thread kernel directly. Its weights' layout is the same for any
+    // thread count, so packed weights stay valid.
+    OneThread one_thread;
+    return dnnl::convolution_forward::primitive_desc(d, attr, Engine());
+  }
   return dnnl::convolution_forward::primitive_desc(d, attr, Engine());
 }
 
@@ -1389,11 +1407,7 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
     static auto* timing = new std::mutex();  // one timing at a time (the thread count is process-wide)
     std::lock_guard<std::mutex> lock(*timing);
     // one thread from before the primitives are made: oneDNN fixes a kernel's thread count then
-    struct OneThread {  // restored however this function ends
-      int saved = omp_get_max_threads();
-      OneThread() { omp_set_num_threads(1); }
-      ~OneThread() { omp_set_num_threads(saved); }
-    } one_thread;
+    OneThread one_thread;
     struct Timed {
       dnnl::convolution_forward prim;
       std::unordered_map<int, dnnl::memory> args;
