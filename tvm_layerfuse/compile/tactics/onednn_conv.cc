@@ -124,6 +124,7 @@
 #include <memory>
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <sstream>
 #include <string>
@@ -360,16 +361,14 @@ dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w,
   AppendActivation(ops, at);
   dnnl::primitive_attr attr = UserScratchpad();
   attr.set_post_ops(ops);
-  if (OH * OW == 1 && H * W == 1) {
-    // One pixel per image and channel (the 1x1 convs of a squeeze-and-excitation block, on
-    // [N, C, 1, 1]): oneDNN 2.6's kernels split a conv over its output pixels, so this one runs
-    // on one thread whatever the team; made for one thread (a kernel's thread count is fixed
-    // when its descriptor is made), it runs without a parallel region around it either, as
-    // oneDNN calls a one-thread kernel directly. Its weights' layout is the same for any
-    // thread count, so packed weights stay valid.
-    OneThread one_thread;
-    return dnnl::convolution_forward::primitive_desc(d, attr, Engine());
-  }
+  // One pixel per image and channel (the 1x1 convs of a squeeze-and-excitation block, on
+  // [N, C, 1, 1]): oneDNN 2.6's kernels split a conv over its output pixels, so this one runs
+  // on one thread whatever the team; made for one thread (a kernel's thread count is fixed
+  // when its descriptor is made), it runs without a parallel region around it either, as
+  // oneDNN calls a one-thread kernel directly. Its weights' layout is the same for any
+  // thread count, so packed weights stay valid.
+  std::optional<OneThread> one_thread;
+  if (OH * OW == 1 && H * W == 1) one_thread.emplace();
   return dnnl::convolution_forward::primitive_desc(d, attr, Engine());
 }
 
