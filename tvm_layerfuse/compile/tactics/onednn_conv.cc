@@ -29,7 +29,10 @@
 //   src_block is x's block width B (0 plain NCHW, 8 nChw8c, 16 nChw16c, see Layouts),
 //   dst_block packs out_j's width in its bits [5j, 5j + 5) (one output: dst_block is its
 //   width); algorithm: 0 direct, 1 Winograd (oneDNN's F(4x4, 3x3) or F(2x2, 3x3) kernels:
-//   3x3, stride 1, fewer multiplies, chosen per layer by timing at compile time); layer: the
+//   3x3, stride 1, fewer multiplies, chosen per layer by timing at compile time; AVX-512
+//   only in oneDNN 2.6), 2 this library's Winograd F(2x2, 3x3) kernel (AVX2; see Winograd
+//   below: where a layer does not fit it, the direct conv runs and `implementation` says
+//   so); layer: the
 //   layer's id in its module, assigned at compile time. Strides, dilations and groups below 1
 //   and block widths other than 0, 8, 16 are refused.
 //   The BatchNorm of the layer is already folded into w and b.
@@ -115,6 +118,9 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <dlfcn.h>
 #include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -159,7 +165,7 @@ float FloatBits(int64_t v) {
 // The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
 // below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
 // together and raise kAbiVersion with abi.ABI_VERSION.
-constexpr int64_t kAbiVersion = 5;
+constexpr int64_t kAbiVersion = 6;
 
 // ConvAttrs: a conv's attrs
 enum ConvField : int {
@@ -210,14 +216,14 @@ int64_t DstBlock(int64_t dst_block, size_t j) {
 struct Attrs {
   int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_block, dst_block;
   float alpha, beta;
-  int64_t algorithm;  // 0 direct, 1 Winograd
+  int64_t algorithm;  // 0 direct, 1 oneDNN's Winograd, 2 this library's Winograd (see Winograd)
   int64_t layer;      // the layer's id in its module
   int64_t packed;     // 0: the weight tensor is plain OIHW; else the identity of its packed layout (PackedId)
   dims wdims;         // packed: the weights' [O, C/groups, kh, kw] (the tensor is their packed bytes)
   static Attrs From(const Shape& a) {
     if (a.size() != kConvFieldCount)
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have " << kConvFieldCount << " entries, got " << a.size();
-    if (a[kAlgorithm] != 0 && a[kAlgorithm] != 1)
+    if (a[kAlgorithm] < 0 || a[kAlgorithm] > 2)
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown conv algorithm " << a[kAlgorithm];
     if (a[kAct] < 0 || a[kAct] >= kActivationCount)
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << a[kAct];
@@ -336,6 +342,226 @@ struct OneThread {
   ~OneThread() { omp_set_num_threads(saved); }
 };
 
+// Winograd. oneDNN 2.6 has Winograd kernels for AVX-512 only; on AVX2 (algorithm 2) a 3x3
+// stride-1 conv may run this library's F(2x2, 3x3) kernel instead, chosen per layer by timing
+// at compile time as oneDNN's is. Per 2x2 output tile (4x4 input patch d, 3x3 filter g):
+//   y = A^T [ (G g G^T) .* (B^T d B) ] A
+//   B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1], G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1],
+//   A^T = [1 1 1 0; 0 1 -1 -1]
+// so each tile costs 16 multiply-adds per (input, output) channel pair instead of 36, summed
+// over input channels as 16 matrix products: M[xi] (tiles x K) = V[xi] (tiles x C) U[xi] (C x K),
+// xi the 16 positions of the 4x4 transform. Activations are nChw8c (eight channels: one AVX2
+// vector); the input transform of every tile runs first (V, in the calling thread's scratch),
+// then each task - up to kWinoTiles tiles times kWinoPanel output channels - forms its 16
+// products (a 6x16 register-blocked kernel) and transforms them back into y with the bias, the
+// residual (y's bytes before the call: the sum post-op) and the activation. The conv fits where
+// C and K are multiples of 8, groups, strides and dilations are 1, src and dst are nChw8c or
+// plain (reordered as for any primitive), the activation is none, relu or clip, and the CPU has
+// AVX2 and FMA. Its weights U [16][K/16][C][16] (zero past K) are packed like a primitive's
+// (PackWinograd): 16 C K floats (K rounded up to 16), against 9 C K direct.
+constexpr int64_t kWinoBlock = 8;   // the activations' channel block
+constexpr int64_t kWinoPanel = 16;  // output channels per panel of U (two vectors)
+constexpr int64_t kWinoTiles = 48;  // tiles per task of the product phase
+constexpr const char* kWinoImpl = "winograd_2x2_3x3:layerfuse_avx2";
+
+struct Wino {
+  int64_t N, C, H, W, K, OH, OW, pt, pl;
+  int64_t act;
+  float alpha, beta;
+  int64_t TH() const { return (OH + 1) / 2; }
+  int64_t TW() const { return (OW + 1) / 2; }
+  int64_t T() const { return N * TH() * TW(); }
+  int64_t Panels() const { return (K + kWinoPanel - 1) / kWinoPanel; }
+  int64_t PackedFloats() const { return 16 * Panels() * C * kWinoPanel; }
+};
+
+// Why conv(x, w, at) does not fit the Winograd kernel ("" where it does).
+std::string WinogradMisfit(const dims& x, const dims& w, const Attrs& at, int64_t dst_block) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return "the CPU has no AVX2 and FMA";
+#else
+  return "not an x86-64 build";
+#endif
+  if (w[2] != 3 || w[3] != 3) return "not a 3x3 kernel";
+  if (x[1] != w[1]) return "its shapes do not agree";
+  if (x[2] + at.pad_l[0] + at.pad_r[0] < 3 || x[3] + at.pad_l[1] + at.pad_r[1] < 3) return "its output is empty";
+  if (at.stride[0] != 1 || at.stride[1] != 1 || at.dilation[0] != 1 || at.dilation[1] != 1 || at.groups != 1)
+    return "strides, dilations or groups are not 1";
+  if (x[1] % kWinoBlock || w[0] % kWinoBlock) return "channels are not multiples of 8";
+  if ((at.src_block && at.src_block != kWinoBlock) || (dst_block && dst_block != kWinoBlock)) return "a 16-channel block";
+  if (at.act != kNone && at.act != kRelu && at.act != kClip) return "its activation is not none, relu or clip";
+  return "";
+}
+
+// U = G g G^T of plain weights g [K, C, 3, 3], into u (Wino::PackedFloats, zeroed here).
+void PackWinograd(const Wino& s, const float* g, float* u) {
+  std::memset(u, 0, sizeof(float) * s.PackedFloats());
+  const int64_t P = s.Panels();
+  for (int64_t k = 0; k < s.K; ++k)
+    for (int64_t c = 0; c < s.C; ++c) {
+      const float* f = g + (k * s.C + c) * 9;
+      float t[4][3];  // G g
+      for (int j = 0; j < 3; ++j) {
+        t[0][j] = f[j];
+        t[1][j] = 0.5f * (f[j] + f[3 + j] + f[6 + j]);
+        t[2][j] = 0.5f * (f[j] - f[3 + j] + f[6 + j]);
+        t[3][j] = f[6 + j];
+      }
+      for (int i = 0; i < 4; ++i) {
+        const float v[4] = {t[i][0], 0.5f * (t[i][0] + t[i][1] + t[i][2]), 0.5f * (t[i][0] - t[i][1] + t[i][2]), t[i][2]};
+        for (int j = 0; j < 4; ++j) u[(((i * 4 + j) * P + k / kWinoPanel) * s.C + c) * kWinoPanel + k % kWinoPanel] = v[j];
+      }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LAYERFUSE_AVX2 __attribute__((target("avx2,fma")))
+
+// V[xi][t][c] = (B^T d B)[xi] of tiles [t0, t1) (v: V's row t0; ld: floats between two xi)
+LAYERFUSE_AVX2 void WinoInput(const Wino& s, const float* x, float* v, int64_t t0, int64_t t1, int64_t ld) {
+  const int64_t TH = s.TH(), TW = s.TW(), CB = s.C / kWinoBlock;
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n = t / (TH * TW), y0 = t / TW % TH * 2 - s.pt, x0 = t % TW * 2 - s.pl;
+    const bool inside = y0 >= 0 && x0 >= 0 && y0 + 4 <= s.H && x0 + 4 <= s.W;
+    for (int64_t cb = 0; cb < CB; ++cb) {
+      const float* base = x + (n * CB + cb) * s.H * s.W * kWinoBlock;
+      __m256 d[4][4], r[4][4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const int64_t yy = y0 + i, xx = x0 + j;
+          d[i][j] = inside || (yy >= 0 && yy < s.H && xx >= 0 && xx < s.W) ? _mm256_loadu_ps(base + (yy * s.W + xx) * kWinoBlock)
+                                                                           : zero;
+        }
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {  // B^T d
+        r[0][j] = _mm256_sub_ps(d[0][j], d[2][j]);
+        r[1][j] = _mm256_add_ps(d[1][j], d[2][j]);
+        r[2][j] = _mm256_sub_ps(d[2][j], d[1][j]);
+        r[3][j] = _mm256_sub_ps(d[1][j], d[3][j]);
+      }
+      float* o = v + (t - t0) * s.C + cb * kWinoBlock;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {  // (B^T d) B
+        _mm256_storeu_ps(o + (i * 4 + 0) * ld, _mm256_sub_ps(r[i][0], r[i][2]));
+        _mm256_storeu_ps(o + (i * 4 + 1) * ld, _mm256_add_ps(r[i][1], r[i][2]));
+        _mm256_storeu_ps(o + (i * 4 + 2) * ld, _mm256_sub_ps(r[i][2], r[i][1]));
+        _mm256_storeu_ps(o + (i * 4 + 3) * ld, _mm256_sub_ps(r[i][1], r[i][3]));
+      }
+    }
+  }
+}
+
+// m[R][16] = v[R][C] (rows ldv apart) @ u[C][16]: R x 2 vectors of accumulators
+template <int R>
+LAYERFUSE_AVX2 void WinoProductRows(const float* v, int64_t ldv, const float* u, int64_t C, float* m) {
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    const __m256 u0 = _mm256_loadu_ps(u + c * kWinoPanel), u1 = _mm256_loadu_ps(u + c * kWinoPanel + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(v + r * ldv + c);
+      acc[r][0] = _mm256_fmadd_ps(a, u0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, u1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(m + r * kWinoPanel, acc[r][0]);
+    _mm256_storeu_ps(m + r * kWinoPanel + 8, acc[r][1]);
+  }
+}
+
+void WinoProduct(const float* v, int64_t ldv, const float* u, int64_t C, float* m, int64_t rows) {
+  int64_t r = 0;
+  for (; r + 6 <= rows; r += 6) WinoProductRows<6>(v + r * ldv, ldv, u, C, m + r * kWinoPanel);
+  v += r * ldv;
+  m += r * kWinoPanel;
+  switch (rows - r) {
+    case 5: WinoProductRows<5>(v, ldv, u, C, m); break;
+    case 4: WinoProductRows<4>(v, ldv, u, C, m); break;
+    case 3: WinoProductRows<3>(v, ldv, u, C, m); break;
+    case 2: WinoProductRows<2>(v, ldv, u, C, m); break;
+    case 1: WinoProductRows<1>(v, ldv, u, C, m); break;
+    default: break;
+  }
+}
+
+// y (tiles [t0, t1), output channels [k0, k0 + kn)) = act(A^T m A + bias [+ y]), m[16][tiles][16]
+LAYERFUSE_AVX2 void WinoOutput(const Wino& s, const float* m, int64_t t0, int64_t t1, int64_t k0, int64_t kn,
+                               const float* bias, bool residual, float* y) {
+  const int64_t TH = s.TH(), TW = s.TW(), KB = s.K / kWinoBlock, ldm = (t1 - t0) * kWinoPanel;
+  const __m256 zero = _mm256_setzero_ps(), alpha = _mm256_set1_ps(s.alpha), beta = _mm256_set1_ps(s.beta);
+  for (int64_t kk = 0; kk < kn; kk += kWinoBlock) {
+    const __m256 b = _mm256_loadu_ps(bias + k0 + kk);
+    const int64_t kb = (k0 + kk) / kWinoBlock;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t / (TH * TW), th = t / TW % TH, tw = t % TW;
+      const float* mt = m + (t - t0) * kWinoPanel + kk;
+      __m256 a[4][2];  // A^T m
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 m0 = _mm256_loadu_ps(mt + j * ldm), m1 = _mm256_loadu_ps(mt + (4 + j) * ldm);
+        const __m256 m2 = _mm256_loadu_ps(mt + (8 + j) * ldm), m3 = _mm256_loadu_ps(mt + (12 + j) * ldm);
+        a[j][0] = _mm256_add_ps(_mm256_add_ps(m0, m1), m2);
+        a[j][1] = _mm256_sub_ps(_mm256_sub_ps(m1, m2), m3);
+      }
+      float* out = y + (n * KB + kb) * s.OH * s.OW * kWinoBlock;
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i)
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j) {  // (A^T m) A
+          const int64_t oy = th * 2 + i, ox = tw * 2 + j;
+          if (oy >= s.OH || ox >= s.OW) continue;
+          float* o = out + (oy * s.OW + ox) * kWinoBlock;
+          __m256 z = j == 0 ? _mm256_add_ps(_mm256_add_ps(a[0][i], a[1][i]), a[2][i])
+                            : _mm256_sub_ps(_mm256_sub_ps(a[1][i], a[2][i]), a[3][i]);
+          z = _mm256_add_ps(z, b);
+          if (residual) z = _mm256_add_ps(z, _mm256_loadu_ps(o));
+          if (s.act == kRelu)  // negative slope alpha
+            z = _mm256_add_ps(_mm256_max_ps(z, zero), _mm256_mul_ps(alpha, _mm256_min_ps(z, zero)));
+          else if (s.act == kClip)
+            z = _mm256_min_ps(_mm256_max_ps(z, alpha), beta);
+          _mm256_storeu_ps(o, z);
+        }
+    }
+  }
+}
+
+// y = conv(x, the weights packed in u) + bias [+ y], activated; x, y nChw8c
+void RunWinograd(const Wino& s, const float* x, const float* u, const float* bias, bool residual, float* y) {
+  const int64_t T = s.T(), ld = T * s.C, P = s.Panels(), chunks = (T + kWinoTiles - 1) / kWinoTiles;
+  float* v = static_cast<float*>(ScratchpadData(sizeof(float) * 16 * ld));
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const int64_t t0 = ch * kWinoTiles;
+      WinoInput(s, x, v + t0 * s.C, t0, std::min(T, t0 + kWinoTiles), ld);
+    }
+    thread_local std::vector<float> m;  // one task's products (the implicit barrier above: V is whole)
+    m.resize(16 * kWinoTiles * kWinoPanel);
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t t0 = ch * kWinoTiles, rows = std::min(T, t0 + kWinoTiles) - t0;
+        for (int xi = 0; xi < 16; ++xi)
+          WinoProduct(v + xi * ld + t0 * s.C, s.C, u + (xi * P + p) * s.C * kWinoPanel, s.C, m.data() + xi * rows * kWinoPanel,
+                      rows);
+        WinoOutput(s, m.data(), t0, t0 + rows, p * kWinoPanel, std::min(kWinoPanel, s.K - p * kWinoPanel), bias, residual, y);
+      }
+  }
+}
+#else
+void RunWinograd(const Wino&, const float*, const float*, const float*, bool, float*) {
+  TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: the Winograd kernel needs an x86-64 build";
+}
+#endif
+
 dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w, const Attrs& at, bool residual,
                                                    int64_t dst_block) {
   const int64_t N = x[0], C = x[1], H = x[2], W = x[3];
@@ -444,15 +670,15 @@ struct Layer {
   std::vector<int64_t> attrs;
   bool residual;
   int64_t dst_block;
-  dnnl::convolution_forward::primitive_desc pd;
+  std::optional<Wino> wino;        // this library's Winograd kernel runs it, else prim
   dnnl::convolution_forward prim;
-  // pd's descs and output dims, queried once (each query copies a whole dnnl_memory_desc_t)
+  // the kernel's descs and output dims, queried once (each query copies a whole dnnl_memory_desc_t)
   dnnl::memory::desc src_md, dst_md, bias_md, weights_md, scratchpad_md;
   dims dst_dims;
-  uint64_t weights_id;   // DescId(pd.weights_desc())
+  uint64_t weights_id;   // Kernel::weights_id
   size_t weights_size;   // its bytes
   bool packed;           // the weights are the call's (packed) tensor
-  dnnl::memory weights;  // plain weights only: in pd.weights_desc(), owned
+  dnnl::memory weights;  // plain weights only: in weights_md, owned
   std::vector<float> fingerprint;  // plain weights only
   // plain NCHW <-> the primitive's layout, for a src/dst that is plain in the graph
   dnnl::memory::desc src_plain, dst_plain;
@@ -517,6 +743,55 @@ struct Rows {
   dims wdims;
 };
 
+// What runs one conv layer (or one piece of a merged one): a oneDNN primitive, or - algorithm 2,
+// where the layer fits (WinogradMisfit) - this library's Winograd kernel; with the layouts of
+// its src, dst and weights, and its weights' identity (DescId, or the Winograd packing's).
+struct Kernel {
+  std::optional<Wino> wino;
+  dnnl::convolution_forward::primitive_desc pd;  // oneDNN's (none for the Winograd kernel)
+  dnnl::memory::desc src_md, dst_md, bias_md, weights_md, scratchpad_md;
+  uint64_t weights_id = 0;
+  std::string impl;  // what `implementation` reports
+};
+
+Kernel MakeKernel(const dims& x, const dims& w, const Attrs& at, bool residual, int64_t dst_block) {
+  Kernel k;
+  if (at.algorithm == 2 && WinogradMisfit(x, w, at, dst_block).empty()) {
+    const int64_t OH = x[2] + at.pad_l[0] + at.pad_r[0] - 2, OW = x[3] + at.pad_l[1] + at.pad_r[1] - 2;
+    k.wino = Wino{x[0], x[1], x[2], x[3], w[0], OH, OW, at.pad_l[0], at.pad_l[1], at.act, at.alpha, at.beta};
+    k.src_md = dnnl::memory::desc(x, dt::f32, tag::nChw8c);
+    k.dst_md = dnnl::memory::desc({x[0], w[0], OH, OW}, dt::f32, tag::nChw8c);
+    k.bias_md = dnnl::memory::desc({w[0]}, dt::f32, tag::x);
+    k.weights_md = dnnl::memory::desc({k.wino->PackedFloats()}, dt::f32, tag::x);
+    Hasher h;
+    for (int64_t v : {int64_t{0x57696e6f32783233}, k.wino->C, k.wino->K, kWinoPanel}) h.Add(v);
+    k.weights_id = h.h;
+    k.impl = kWinoImpl;
+    return k;
+  }
+  Attrs direct = at;
+  if (direct.algorithm == 2) direct.algorithm = 0;
+  k.pd = MakeDesc(x, w, direct, residual, dst_block);
+  k.src_md = k.pd.src_desc();
+  k.dst_md = k.pd.dst_desc();
+  k.bias_md = k.pd.bias_desc();
+  k.weights_md = k.pd.weights_desc();
+  k.scratchpad_md = k.pd.scratchpad_desc();
+  k.weights_id = DescId(k.weights_md);
+  k.impl = k.pd.impl_info_str();
+  return k;
+}
+
+// out (k.weights_md's bytes) = the plain weights w [O, C/groups, kh, kw] in the kernel's layout
+void PackKernel(const Kernel& k, const dims& wdims, int64_t groups, const float* w, void* out) {
+  if (k.wino) {
+    PackWinograd(*k.wino, w, static_cast<float*>(out));
+    return;
+  }
+  Reorder(PlainWeights(wdims, groups), k.weights_md)(const_cast<float*>(w), out);
+  Stream().wait();
+}
+
 std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const Attrs& at, const std::vector<int64_t>& attrs,
                                        bool residual, int64_t dst_block, const std::vector<float>& fingerprint) {
   static std::atomic<uint64_t> serials{0};
@@ -527,26 +802,25 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   layer->attrs = attrs;
   layer->residual = residual;
   layer->dst_block = dst_block;
-  layer->pd = MakeDesc(x, rows.wdims, at, residual, dst_block);
-  layer->prim = dnnl::convolution_forward(layer->pd);
-  layer->src_md = layer->pd.src_desc();
-  layer->dst_md = layer->pd.dst_desc();
-  layer->bias_md = layer->pd.bias_desc();
-  layer->weights_md = layer->pd.weights_desc();
-  layer->scratchpad_md = layer->pd.scratchpad_desc();
+  const Kernel k = MakeKernel(x, rows.wdims, at, residual, dst_block);
+  layer->wino = k.wino;
+  if (!k.wino) layer->prim = dnnl::convolution_forward(k.pd);
+  layer->src_md = k.src_md;
+  layer->dst_md = k.dst_md;
+  layer->bias_md = k.bias_md;
+  layer->weights_md = k.weights_md;
+  layer->scratchpad_md = k.scratchpad_md;
   layer->dst_dims = layer->dst_md.dims();
-  layer->weights_id = DescId(layer->weights_md);
+  layer->weights_id = k.weights_id;
   layer->weights_size = layer->weights_md.get_size();
   layer->packed = at.packed != 0;
-  if (!layer->packed) {  // plain weights: once, into the layout the primitive prefers
-    layer->weights = dnnl::memory(layer->pd.weights_desc(), Engine());
-    Reorder(PlainWeights(rows.wdims, at.groups), layer->pd.weights_desc())(const_cast<float*>(rows.w),
-                                                                            layer->weights.get_data_handle());
-    Stream().wait();
+  if (!layer->packed) {  // plain weights: once, into the layout the kernel takes
+    layer->weights = dnnl::memory(layer->weights_md, Engine());
+    PackKernel(k, rows.wdims, at.groups, rows.w, layer->weights.get_data_handle());
     layer->fingerprint = fingerprint;
   }
   // plain activations: reorders into and out of the primitive's layout (buffers: per thread)
-  const dnnl::memory::desc src_md = layer->pd.src_desc(), dst_md = layer->pd.dst_desc();
+  const dnnl::memory::desc &src_md = layer->src_md, &dst_md = layer->dst_md;
   layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
   layer->dst_plain = dnnl::memory::desc(dst_md.dims(), dt::f32, tag::nchw);
   layer->src_reorder = !at.src_block && src_md != layer->src_plain;
@@ -668,8 +942,15 @@ void RunRows(const float* x, const Layer& layer, const float* w, const float* b,
   buf.bias.set_data_handle(const_cast<float*>(b));
   // packed weights: the call's own tensor, wrapped where it lies (no copy)
   if (layer.packed) buf.weights.set_data_handle(const_cast<float*>(w));
-  if (buf.scratch) buf.scratch.set_data_handle(ScratchpadData(layer.scratchpad_md.get_size()));
-  layer.prim.execute(Stream(), buf.args);
+  if (layer.wino) {
+    if (layer.src_reorder) Stream().wait();
+    RunWinograd(*layer.wino, static_cast<const float*>(buf.x.get_data_handle()),
+                static_cast<const float*>(buf.weights.get_data_handle()), b, r != nullptr,
+                static_cast<float*>(buf.out.get_data_handle()));
+  } else {
+    if (buf.scratch) buf.scratch.set_data_handle(ScratchpadData(layer.scratchpad_md.get_size()));
+    layer.prim.execute(Stream(), buf.args);
+  }
   if (layer.dst_reorder) layer.dst_out(buf.dst.get_data_handle(), dst_ptr);
   Stream().wait();
 }
@@ -935,7 +1216,7 @@ struct Packing {
   dims x;
   Attrs at;
   std::vector<dims> pieces;
-  std::vector<dnnl::convolution_forward::primitive_desc> pds;
+  std::vector<Kernel> kernels;
 };
 
 Packing PlanPacking(const Shape& x, bool prologue, const Shape& w, const Shape& attrs, bool residual, const Shape& out_channels) {
@@ -946,7 +1227,7 @@ Packing PlanPacking(const Shape& x, bool prologue, const Shape& w, const Shape& 
   for (int64_t c : out_channels) views.push_back(View{nullptr, dims{x[0], c, 1, 1}});
   p.pieces = PlanPieces(p.x, prologue, Dims(w.data(), 4), p.at, residual, views);
   for (size_t j = 0; j < p.pieces.size(); ++j)
-    p.pds.push_back(MakeDesc(p.x, p.pieces[j], p.at, residual, DstBlock(p.at.dst_block, j)));
+    p.kernels.push_back(MakeKernel(p.x, p.pieces[j], p.at, residual, DstBlock(p.at.dst_block, j)));
   return p;
 }
 
@@ -955,7 +1236,7 @@ tvm::ffi::Array<int64_t> PackedLayout(Shape x, bool prologue, Shape w, Shape att
     const Packing p = PlanPacking(x, prologue, w, attrs, residual, out_channels);
     std::vector<uint64_t> ids;
     int64_t bytes = 0;
-    for (const auto& pd : p.pds) ids.push_back(DescId(pd.weights_desc())), bytes += pd.weights_desc().get_size();
+    for (const Kernel& k : p.kernels) ids.push_back(k.weights_id), bytes += k.weights_md.get_size();
     return tvm::ffi::Array<int64_t>{PackedId(ids), bytes};
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
@@ -963,14 +1244,14 @@ tvm::ffi::Array<int64_t> PackedLayout(Shape x, bool prologue, Shape w, Shape att
 }
 
 // out (1-d float32, PackedLayout's bytes) = the plain weights w [O, C/groups, kh, kw] of that
-// call, each piece's rows reordered into its primitive's layout, one piece after the other.
+// call, each piece's rows in its kernel's layout, one piece after the other.
 void PackWeights(Shape x, bool prologue, TensorView w, Shape attrs, bool residual, Shape out_channels, TensorView out) {
   CheckTensor(w, 4, "weight");
   CheckTensor(out, 1, "packed weight");
   try {
     const Packing p = PlanPacking(x, prologue, w.shape(), attrs, residual, out_channels);
     size_t bytes = 0;
-    for (const auto& pd : p.pds) bytes += pd.weights_desc().get_size();
+    for (const Kernel& k : p.kernels) bytes += k.weights_md.get_size();
     if (bytes != sizeof(float) * static_cast<size_t>(out.numel()))
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn.pack_weights: the packed weights take " << bytes << " bytes, out has "
                                 << sizeof(float) * out.numel();
@@ -978,11 +1259,9 @@ void PackWeights(Shape x, bool prologue, TensorView w, Shape attrs, bool residua
     char* dst = reinterpret_cast<char*>(const_cast<float*>(Data(out)));
     std::memset(dst, 0, bytes);  // padding of blocked layouts: zeros, as oneDNN's reorder leaves them
     int64_t o = 0;
-    for (size_t j = 0; j < p.pds.size(); ++j) {
-      const dnnl::memory::desc md = p.pds[j].weights_desc();
-      Reorder(PlainWeights(p.pieces[j], p.at.groups), md)(const_cast<float*>(Data(w)) + o * row, dst);
-      Stream().wait();
-      dst += md.get_size();
+    for (size_t j = 0; j < p.kernels.size(); ++j) {
+      PackKernel(p.kernels[j], p.pieces[j], p.at.groups, Data(w) + o * row, dst);
+      dst += p.kernels[j].weights_md.get_size();
       o += p.pieces[j][0];
     }
   } catch (const dnnl::error& e) {
@@ -1386,8 +1665,7 @@ String Implementation(Shape x, Shape w, Shape attrs, bool residual) {
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
   try {
     const Attrs at = Attrs::From(attrs);
-    auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, DstBlock(at.dst_block, 0));
-    return String(pd.impl_info_str());
+    return String(MakeKernel(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, DstBlock(at.dst_block, 0)).impl);
   } catch (const dnnl::error& e) {
     return String(std::string("unsupported: ") + e.what());
   }
@@ -1408,7 +1686,8 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
     // one thread from before the primitives are made: oneDNN fixes a kernel's thread count then
     OneThread one_thread;
     struct Timed {
-      dnnl::convolution_forward prim;
+      Kernel k;
+      dnnl::convolution_forward prim;  // oneDNN's kernels
       std::unordered_map<int, dnnl::memory> args;
       double best = 1e300;
     };
@@ -1419,23 +1698,30 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
       for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) * 1e-3f;
       return m;
     };
+    auto data = [](Timed& t, int arg) { return static_cast<float*>(t.args.at(arg).get_data_handle()); };
     std::vector<Timed> timed;
     for (const Shape* attrs : {&attrs_a, &attrs_b}) {
       const Attrs at = Attrs::From(*attrs);
-      auto pd = MakeDesc(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, DstBlock(at.dst_block, 0));
-      timed.push_back(Timed{dnnl::convolution_forward(pd),
-                            {{DNNL_ARG_SCRATCHPAD, dnnl::memory(pd.scratchpad_desc(), Engine())},
-                             {DNNL_ARG_SRC, filled(pd.src_desc())},
-                             {DNNL_ARG_WEIGHTS, filled(pd.weights_desc())},
-                             {DNNL_ARG_BIAS, filled(pd.bias_desc())},
-                             {DNNL_ARG_DST, filled(pd.dst_desc())}}});
+      Timed t{MakeKernel(Dims(x.data(), 4), Dims(w.data(), 4), at, residual, DstBlock(at.dst_block, 0)), {}, {}};
+      if (!t.k.wino) t.prim = dnnl::convolution_forward(t.k.pd);
+      t.args = {{DNNL_ARG_SCRATCHPAD, dnnl::memory(t.k.scratchpad_md, Engine())},
+                {DNNL_ARG_SRC, filled(t.k.src_md)},
+                {DNNL_ARG_WEIGHTS, filled(t.k.weights_md)},
+                {DNNL_ARG_BIAS, filled(t.k.bias_md)},
+                {DNNL_ARG_DST, filled(t.k.dst_md)}};
+      timed.push_back(std::move(t));
     }
     dnnl::stream s(Engine());
     for (int64_t k = -1; k < std::max<int64_t>(reps, 1); ++k) {  // one warm-up run each
       for (Timed& t : timed) {
         const auto t0 = std::chrono::steady_clock::now();
-        t.prim.execute(s, t.args);
-        s.wait();
+        if (t.k.wino) {
+          RunWinograd(*t.k.wino, data(t, DNNL_ARG_SRC), data(t, DNNL_ARG_WEIGHTS), data(t, DNNL_ARG_BIAS), residual,
+                      data(t, DNNL_ARG_DST));
+        } else {
+          t.prim.execute(s, t.args);
+          s.wait();
+        }
         const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (k >= 0) t.best = std::min(t.best, ms);
       }

@@ -103,7 +103,7 @@ log = logging.getLogger(__name__)
 
 WINOGRAD_CHOICES = ("timed", "never", "always")
 WINOGRAD_GAIN = 1.05  # Winograd is kept when direct takes at least this many times as long
-NO_WINOGRAD = "winograd (always): oneDNN has no Winograd kernel for it here, direct"
+NO_WINOGRAD = "winograd (always): neither oneDNN nor the library has a Winograd kernel for it here, direct"
 
 
 @dataclass
@@ -236,25 +236,28 @@ class UseOneDNNConv:
         oracle = current_oracle()
         width = oracle.block_width()
         wino = attrs.replace(
-            algorithm=1,
+            algorithm=abi.CONV_ALGORITHMS["winograd"],
             src_block=width if width and x_shape[1] % width == 0 else 0,
             dst_block=width if width and w_shape[0] % width == 0 else 0,
         )
         wino_kernel = oracle.conv_kernel(x_shape, w_shape, wino, residual=residual)
         if _kernel_refused(wino_kernel):
-            # oneDNN 2.6 has Winograd kernels for AVX-512 only: elsewhere the layer stays direct
-            if self.winograd == "always":  # asked for, not there: direct, and the reason recorded
-                return attrs, kernel, f"{NO_WINOGRAD} ({wino_kernel.split(':')[0]})"
-            return attrs, kernel, ""
+            # oneDNN 2.6 has Winograd kernels for AVX-512 only: elsewhere the library's own, where the layer fits it
+            wino = wino.replace(algorithm=abi.CONV_ALGORITHMS["own_winograd"])
+            wino_kernel = oracle.conv_kernel(x_shape, w_shape, wino, residual=residual)
+            if wino_kernel != abi.OWN_WINOGRAD_KERNEL:
+                if self.winograd == "always":  # asked for, not there: direct, and the reason recorded
+                    return attrs, kernel, NO_WINOGRAD
+                return attrs, kernel, ""
         if self.winograd == "always":
-            return attrs.replace(algorithm=1), wino_kernel, "winograd (always)"
+            return attrs.replace(algorithm=wino.algorithm), wino_kernel, "winograd (always)"
         key = (tuple(x_shape), tuple(w_shape), tuple(wino.values()), residual)
         if key not in self.timings:
             self.timings[key] = oracle.time_conv(x_shape, w_shape, wino.replace(algorithm=0), wino, residual=residual)
         t_direct, t_wino = self.timings[key]
         timing = f"direct {t_direct:.3f} ms, winograd {t_wino:.3f} ms"
         if t_wino <= t_direct / WINOGRAD_GAIN:
-            return attrs.replace(algorithm=1), wino_kernel, timing
+            return attrs.replace(algorithm=wino.algorithm), wino_kernel, timing
         return attrs, kernel, timing
 
     def _attrs(self, ep: _Epilogue, x_shape, w_shape, out_shape) -> abi.ConvAttrs:
