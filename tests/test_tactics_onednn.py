@@ -34,16 +34,20 @@ needs_onednn = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not in
 
 
 @functools.cache
-def _winograd_here() -> bool:
-    """Whether oneDNN has a Winograd kernel on this CPU, asked for a probe layer (3x3, stride
-    1, 32 -> 32 channels): oneDNN 2.6 has them for AVX-512 only."""
+def _winograd_here() -> int:
+    """The conv algorithm with a Winograd kernel on this CPU, asked for a probe layer (3x3,
+    stride 1, 32 -> 32 channels): 1 oneDNN's (oneDNN 2.6 has them for AVX-512 only), 2 the
+    library's own (AVX2), 0 none."""
     if MISSING is not None:
-        return False
+        return 0
     width = onednn.block_width()
-    attrs = ConvAttrs.make(strides=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1), groups=1).replace(
-        algorithm=1, src_block=width, dst_block=width
-    )
-    return not onednn.implementation([1, 32, 14, 14], [32, 32, 3, 3], attrs, residual=False).startswith(("ref", "unsupported"))
+    attrs = ConvAttrs.make(strides=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1), groups=1)
+    for algorithm in (1, 2):
+        probe = attrs.replace(algorithm=algorithm, src_block=width, dst_block=width)
+        kernel = onednn.implementation([1, 32, 14, 14], [32, 32, 3, 3], probe, residual=False)
+        if "wino" in kernel and not kernel.startswith(("ref", "unsupported")):
+            return algorithm
+    return 0
 
 
 def _run_with_tactic(model, *, fuse=True, winograd="timed"):
@@ -77,10 +81,10 @@ def test_extension_gives_optimised_kernels():
 @needs_onednn
 @pytest.mark.parametrize("winograd", ["always", "never", "timed"])
 def test_winograd_algorithm_matches_onnxruntime(winograd):
-    """The conv algorithm choice: Winograd where oneDNN has it (3x3, stride 1), direct
-    otherwise; every choice gives onnxruntime's answer, and timed choices show both times.
-    Where this CPU has no Winograd kernel (AVX2), every layer stays direct, nothing is timed,
-    and ``always`` records why for every 3x3 layer."""
+    """The conv algorithm choice: Winograd where oneDNN (AVX-512) or the library (AVX2) has a
+    kernel for the layer (3x3, stride 1), direct otherwise; every choice gives onnxruntime's
+    answer, and timed choices show both times. Where this CPU has no Winograd kernel, every
+    layer stays direct, nothing is timed, and ``always`` records why for every 3x3 layer."""
     err, layers = _run_with_tactic(zoo.googlenet(seed=3, blocks=2), winograd=winograd)
     assert err <= RTOL
     convs = [c for c in layers if c.tactic == "onednn"]
@@ -182,9 +186,9 @@ def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length()
         src_block=width, dst_block=width
     )
     if _winograd_here():
-        times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct.replace(algorithm=1), residual=False)
+        times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct.replace(algorithm=_winograd_here()), residual=False)
         assert len(times) == 2 and all(t > 0 for t in times), times
-    else:  # no Winograd kernel on this CPU: timing one is refused with oneDNN's reason
+    if _winograd_here() != 1:  # no oneDNN Winograd kernel on this CPU: timing one is refused with oneDNN's reason
         with pytest.raises(Exception, match="oneDNN failed"):
             onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, direct.replace(algorithm=1), residual=False)
     plain = direct.replace(src_block=0, dst_block=0, act=ACTIVATIONS["silu"])  # every CPU has it
@@ -255,7 +259,7 @@ def test_tensors_between_onednn_layers_stay_blocked():
     assert err <= RTOL
     layouts = Counter(c.layout for c in layers if c.tactic == "onednn")
     assert layouts[f"{blocked}>{blocked}"] >= 8, layouts
-    assert all(c.kernel.startswith(("jit", "brg")) for c in layers if c.tactic == "onednn" and blocked in c.layout)
+    assert all(c.kernel.startswith(("jit", "brg", abi.OWN_WINOGRAD_KERNEL)) for c in layers if c.tactic == "onednn" and blocked in c.layout)
     assert not any("nChw" in c.layout and blocked not in c.layout for c in layers), layouts
 
 
@@ -284,7 +288,7 @@ def test_no_layer_gets_a_reference_kernel_and_blocked_layouts_use_the_block_widt
     assert not refs, refs
     layouts = {part for c in taken if c.layout for part in c.layout.replace(">", ",").split(",")}
     assert blocked in layouts and layouts <= {blocked, "nchw"}, layouts
-    assert all(c.kernel.startswith(("jit", "brg")) for c in taken if blocked in c.layout), taken
+    assert all(c.kernel.startswith(("jit", "brg", abi.OWN_WINOGRAD_KERNEL)) for c in taken if blocked in c.layout), taken
 
 
 @needs_onednn

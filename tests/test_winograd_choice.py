@@ -100,3 +100,38 @@ def test_fixed_modes_ignore_the_timings(fused, injected, mode, winograd):
     assert not injected.calls
     assert sorted(_conv_algorithms(mod)) == ([0, 1] if winograd else [0, 0])
     assert any(c.kernel == INJECTED_KERNEL for c in chooser.layers) is winograd
+
+
+@pytest.fixture
+def own_only(monkeypatch):
+    """oneDNN answers as on AVX2 (no Winograd kernel) and the library's own Winograd fits every
+    3x3 layer; ``timings`` = (direct ms, Winograd ms)."""
+    real = onednn.implementation
+    calls = []
+
+    def implementation(x_shape, w_shape, attrs, *, residual):
+        if attrs.algorithm == abi.CONV_ALGORITHMS["winograd"]:
+            return "unsupported: no Winograd kernel here"
+        if attrs.algorithm == abi.CONV_ALGORITHMS["own_winograd"]:
+            return abi.OWN_WINOGRAD_KERNEL
+        return real(x_shape, w_shape, attrs, residual=residual)
+
+    def time_conv(x_shape, w_shape, attrs_a, attrs_b, *, residual, reps=7):
+        calls.append((attrs_a.algorithm, attrs_b.algorithm))
+        return own_only.timings
+
+    monkeypatch.setattr(onednn, "implementation", implementation)
+    monkeypatch.setattr(onednn, "time_conv", time_conv)
+    own_only.calls = calls
+    return own_only
+
+
+@pytest.mark.parametrize("direct_ms, wino_ms, winograd", [(2.0, 1.0, True), (1.04, 1.0, False)])
+def test_without_a_onednn_winograd_kernel_the_library_one_is_timed_and_kept_by_the_same_rule(fused, own_only, direct_ms, wino_ms, winograd):
+    own_only.timings = (direct_ms, wino_ms)
+    chooser = UseOneDNNConv(winograd="timed")
+    mod = chooser(fused)
+    assert own_only.calls == [(0, abi.CONV_ALGORITHMS["own_winograd"])]  # the 3x3 conv: direct against the library's
+    three = next(c for c in chooser.layers if c.shape.endswith("3, 3]"))
+    assert (three.kernel == abi.OWN_WINOGRAD_KERNEL) is winograd, three
+    assert sorted(_conv_algorithms(mod)) == ([0, 2] if winograd else [0, 0])

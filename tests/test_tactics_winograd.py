@@ -1,0 +1,182 @@
+"""The tactic library's own Winograd F(2x2, 3x3) kernel (conv algorithm 2, for CPUs where
+oneDNN has none): every output tile, tail and panel against a NumPy convolution, with the
+bias, the residual sum and each activation it takes, in either layout, with plain and packed
+weights (merged pieces included); the layers it does not fit run oneDNN's direct kernel and
+say so; and a model compiled with it runs in a runtime-only process with onnxruntime's
+answer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+
+from graphs import Net, rel_err, run_runtime_only
+from tvm_layerfuse.compile.tactics import abi, onednn
+from tvm_layerfuse.compile.tactics.abi import ConvAttrs
+from tvm_layerfuse.testing import random_inputs, run_onnxruntime
+
+MISSING = onednn.availability()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
+OWN = abi.CONV_ALGORITHMS["own_winograd"]
+RTOL = 1e-5
+
+
+def _blocked(a: np.ndarray, block: int) -> np.ndarray:
+    """NCHW ``a`` as nChwBc bytes ([N, C/B, H, W, B], typed back to [N, C, H, W]); 0: as is."""
+    if not block:
+        return a
+    n, c, h, w = a.shape
+    return np.ascontiguousarray(a.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2)).reshape(n, c, h, w)
+
+
+def _conv(x, w, b, pads, act, alpha, beta, r):
+    """act(conv3x3(x, w) + b [+ r]) in float64, as NumPy computes it."""
+    pt, pl, pb, pr = pads
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    win = np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
+    y = np.einsum("ncijkl,ockl->noij", win, w.astype(np.float64), optimize=True) + b[None, :, None, None]
+    if r is not None:
+        y = y + r
+    if act == "relu":
+        y = np.where(y > 0, y, alpha * y)
+    elif act == "clip":
+        y = np.clip(y, alpha, beta)
+    return y
+
+
+def _attrs(pads, act, alpha, beta, src_block, dst_block, algorithm=OWN):
+    return ConvAttrs.make(strides=(1, 1), padding=pads, dilation=(1, 1), groups=1, act=act, alpha=alpha, beta=beta).replace(
+        src_block=src_block, dst_block=dst_block, algorithm=algorithm, layer=11
+    )
+
+
+def _own_kernel_here() -> None:
+    kernel = onednn.implementation([1, 8, 6, 6], [8, 8, 3, 3], _attrs((1, 1, 1, 1), "none", 0, 0, 8, 8), residual=False)
+    if kernel != abi.OWN_WINOGRAD_KERNEL:
+        pytest.skip(f"the library's Winograd kernel needs AVX2 and FMA; this CPU runs {kernel}")
+
+
+CASES = {
+    # n, c, k, h, w, pads, act, alpha, beta, residual, src_block, dst_block
+    "one-tile-row": (1, 16, 32, 7, 7, (1, 1, 1, 1), "relu", 0.0, 0.0, False, 8, 8),  # odd size: half tiles
+    "batch2-leaky-residual": (2, 8, 24, 9, 6, (1, 1, 1, 1), "relu", 0.1, 0.0, True, 8, 8),  # K 24: a half panel
+    "many-tasks": (1, 64, 64, 30, 30, (1, 1, 1, 1), "none", 0.0, 0.0, True, 8, 8),  # 225 tiles: 5 tasks, row tails
+    "clip-unpadded-plain": (1, 32, 40, 5, 11, (0, 0, 0, 0), "clip", -0.5, 0.75, False, 0, 0),
+    "asymmetric-pads": (2, 24, 16, 10, 10, (2, 1, 0, 2), "none", 0.0, 0.0, False, 8, 0),
+    "plain-in-residual": (1, 48, 32, 8, 8, (1, 1, 1, 1), "relu", 0.0, 0.0, True, 0, 8),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_library_winograd_matches_a_numpy_convolution(case):
+    onednn.load()
+    _own_kernel_here()
+    n, c, k, h, w, pads, act, alpha, beta, residual, sb, db = CASES[case]
+    rng = np.random.default_rng(sorted(CASES).index(case))
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wt = (rng.standard_normal((k, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+    oh, ow = h + pads[0] + pads[2] - 2, w + pads[1] + pads[3] - 2
+    r = rng.standard_normal((n, k, oh, ow)).astype(np.float32) if residual else None
+    want = _conv(x, wt, b, pads, act, alpha, beta, r)
+    assert (want > 0).mean() > 0.2 and (want < 0).mean() > 0.05 if act == "none" else (want > 0).mean() > 0.2  # alive
+    attrs = _attrs(pads, act, alpha, beta, sb, db)
+    assert onednn.implementation([n, c, h, w], [k, c, 3, 3], attrs, residual=residual) == abi.OWN_WINOGRAD_KERNEL
+
+    def run(weights, a):
+        out = tvm.runtime.empty((n, k, oh, ow), "float32")
+        args = [tvm.runtime.tensor(_blocked(x, sb)), tvm.runtime.tensor(weights), tvm.runtime.tensor(b)]
+        if residual:
+            tvm.get_global_func(abi.CONV2D_ADD.name)(*args, tvm.runtime.tensor(_blocked(r, db)), tvm.runtime.ShapeTuple(a.values()), out)
+        else:
+            tvm.get_global_func(abi.CONV2D.name)(*args, tvm.runtime.ShapeTuple(a.values()), out)
+        return out.numpy()
+
+    assert rel_err(run(wt, attrs), _blocked(want, db).astype(np.float32)) <= RTOL
+    # the compiler's path: the weights packed once (U = G g G^T), the call reading them in place
+    identity, packed = onednn.pack_weights([n, c, h, w], wt, attrs, prologue=False, residual=residual, out_channels=[k])
+    assert packed.size == 16 * c * -(-k // 16) * 16  # 16 positions x C x K rounded up to a panel
+    direct_id, _ = onednn.pack_weights(
+        [n, c, h, w], wt, attrs.replace(algorithm=0), prologue=False, residual=residual, out_channels=[k]
+    )
+    assert identity != direct_id
+    packed_attrs = attrs.replace(packed=identity, weight_o=k, weight_i=c, weight_kh=3, weight_kw=3, layer=12)
+    assert rel_err(run(packed, packed_attrs), _blocked(want, db).astype(np.float32)) <= RTOL
+    with pytest.raises(Exception, match="packed at compile time"):  # the direct layout's identity: refused
+        run(packed, packed_attrs.replace(packed=direct_id, layer=13))
+
+
+def test_a_merged_conv_runs_each_piece_on_the_library_winograd():
+    """A horizontally merged conv (two outputs: rows 0..15 and 16..39) packed piece by piece."""
+    onednn.load()
+    _own_kernel_here()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 16, 9, 9)).astype(np.float32)
+    wt = (rng.standard_normal((40, 16, 3, 3)) / 12).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    attrs = _attrs((1, 1, 1, 1), "relu", 0.0, 0.0, 8, abi.dst_block([8, 8]))
+    want = _conv(x, wt, b, (1, 1, 1, 1), "relu", 0.0, 0.0, None)
+    identity, packed = onednn.pack_weights([1, 16, 9, 9], wt, attrs, prologue=False, residual=False, out_channels=[16, 24])
+    assert packed.size == 16 * 16 * 16 + 16 * 16 * 32  # each piece: its own panels
+    outs = [tvm.runtime.empty((1, 16, 9, 9), "float32"), tvm.runtime.empty((1, 24, 9, 9), "float32")]
+    a = attrs.replace(packed=identity, weight_o=40, weight_i=16, weight_kh=3, weight_kw=3)
+    tvm.get_global_func(abi.CONV2D.name)(
+        tvm.runtime.tensor(_blocked(x, 8)), tvm.runtime.tensor(packed), tvm.runtime.tensor(b), tvm.runtime.ShapeTuple(a.values()), *outs
+    )
+    assert rel_err(outs[0].numpy(), _blocked(want[:, :16], 8)) <= RTOL
+    assert rel_err(outs[1].numpy(), _blocked(want[:, 16:], 8)) <= RTOL
+
+
+@pytest.mark.parametrize(
+    "x, w, change",
+    [
+        ([1, 12, 8, 8], [16, 12, 3, 3], {}),  # channels not in 8s
+        ([1, 16, 8, 8], [16, 16, 3, 3], {"stride_h": 2, "stride_w": 2}),
+        ([1, 16, 8, 8], [16, 8, 3, 3], {"groups": 2}),
+        ([1, 16, 8, 8], [16, 16, 3, 3], {"act": abi.ACTIVATIONS["silu"]}),
+        ([1, 16, 8, 8], [16, 16, 3, 3], {"src_block": 16, "dst_block": 16}),
+        ([1, 16, 8, 8], [16, 16, 5, 5], {"pad_top": 2, "pad_left": 2, "pad_bottom": 2, "pad_right": 2}),
+    ],
+    ids=["channels", "stride", "groups", "silu", "block16", "5x5"],
+)
+def test_layers_the_library_winograd_does_not_fit_run_direct(x, w, change):
+    """Algorithm 2 on a layer it does not fit: oneDNN's direct conv runs, and
+    ``implementation`` names that kernel (so the compiler's choice sees it)."""
+    onednn.load()
+    _own_kernel_here()
+    attrs = _attrs((1, 1, 1, 1), "none", 0.0, 0.0, 0, 0).replace(**change)
+    own = onednn.implementation(x, w, attrs, residual=False)
+    direct = onednn.implementation(x, w, attrs.replace(algorithm=0), residual=False)
+    assert own == direct and "winograd" not in own
+
+
+def test_a_model_compiled_with_the_library_winograd_runs_runtime_only(tmp_path):
+    """compile (``--winograd always``) -> artifact -> a process with only the runtime: the 3x3
+    convs (a residual block) run the library's Winograd kernel, with onnxruntime's answer."""
+    from tvm_layerfuse.cli import main
+
+    onednn.load()
+    _own_kernel_here()
+    net = Net(seed=41)
+    x = net.input("x", (1, 8, 20, 20))
+    a = net.relu(net.conv(x, 16, name="c1"))
+    b = net.relu(net.conv(a, 16, name="c2"))
+    y = net.relu(net.node("Add", [net.conv(b, 16, name="c3"), a]))
+    model = net.build([net.conv(y, 24, k=1, name="head")])
+    path = tmp_path / "m.onnx"
+    import onnx
+
+    onnx.save(model, str(path))
+    out = tmp_path / "art"
+    assert main(["compile", str(path), "-o", str(out), "--winograd", "always", "-q"]) == 0
+    layers = json.loads((out / "manifest.json").read_text())["tactics"]["layers"]
+    three = [c for c in layers if c.get("shape", "").endswith(", 3, 3]")]
+    assert len(three) == 3 and all(c["kernel"] == abi.OWN_WINOGRAD_KERNEL for c in three), three
+    feeds = random_inputs(model, 2)
+    (expected,) = run_onnxruntime(model, feeds)
+    assert np.abs(expected).max() > 1e-2
+    got = run_runtime_only(out, feeds, tmp_path)
+    assert rel_err(next(iter(got.values())), expected) <= 1e-4
