@@ -532,28 +532,50 @@ LAYERFUSE_AVX2 void WinoOutput(const Wino& s, const float* m, int64_t t0, int64_
   }
 }
 
-// y = conv(x, the weights packed in u) + bias [+ y], activated; x, y nChw8c
+// The products and output transform of tiles [t0, t0 + rows) and panel p, from their V rows
+// (v: row t0 of position 0; ld: floats between two positions), through m (16 x rows x 16).
+void WinoTask(const Wino& s, const float* v, int64_t ld, const float* u, const float* bias, bool residual, float* y,
+              int64_t t0, int64_t rows, int64_t p, float* m) {
+  const int64_t P = s.Panels();
+  for (int xi = 0; xi < 16; ++xi)
+    WinoProduct(v + xi * ld, s.C, u + (xi * P + p) * s.C * kWinoPanel, s.C, m + xi * rows * kWinoPanel, rows);
+  WinoOutput(s, m, t0, t0 + rows, p * kWinoPanel, std::min(kWinoPanel, s.K - p * kWinoPanel), bias, residual, y);
+}
+
+// y = conv(x, the weights packed in u) + bias [+ y], activated; x, y nChw8c. With enough tiles
+// for every thread (two tasks each at least), each task transforms its tiles' input and runs
+// every panel on them while their V is in cache; with few (small images), the input of all
+// tiles is transformed first, and tasks are (tiles, panel) pairs, so the panels spread too.
 void RunWinograd(const Wino& s, const float* x, const float* u, const float* bias, bool residual, float* y) {
-  const int64_t T = s.T(), ld = T * s.C, P = s.Panels(), chunks = (T + kWinoTiles - 1) / kWinoTiles;
-  float* v = static_cast<float*>(ScratchpadData(sizeof(float) * 16 * ld));
+  const int64_t T = s.T(), P = s.Panels(), chunks = (T + kWinoTiles - 1) / kWinoTiles;
+  const bool by_chunk = chunks >= 2 * omp_get_max_threads();
+  const int64_t ld = by_chunk ? kWinoTiles * s.C : T * s.C;  // V: one chunk's per thread, or all of it
+  float* shared = by_chunk ? nullptr : static_cast<float*>(ScratchpadData(sizeof(float) * 16 * ld));
 #pragma omp parallel
   {
-#pragma omp for schedule(static)
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      const int64_t t0 = ch * kWinoTiles;
-      WinoInput(s, x, v + t0 * s.C, t0, std::min(T, t0 + kWinoTiles), ld);
-    }
-    thread_local std::vector<float> m;  // one task's products (the implicit barrier above: V is whole)
+    thread_local std::vector<float> m, own;  // a task's products; by_chunk: its V
     m.resize(16 * kWinoTiles * kWinoPanel);
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t ch = 0; ch < chunks; ++ch)
-      for (int64_t p = 0; p < P; ++p) {
+    if (by_chunk) {
+      own.resize(16 * ld);
+#pragma omp for schedule(static)
+      for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t t0 = ch * kWinoTiles, rows = std::min(T, t0 + kWinoTiles) - t0;
-        for (int xi = 0; xi < 16; ++xi)
-          WinoProduct(v + xi * ld + t0 * s.C, s.C, u + (xi * P + p) * s.C * kWinoPanel, s.C, m.data() + xi * rows * kWinoPanel,
-                      rows);
-        WinoOutput(s, m.data(), t0, t0 + rows, p * kWinoPanel, std::min(kWinoPanel, s.K - p * kWinoPanel), bias, residual, y);
+        WinoInput(s, x, own.data(), t0, t0 + rows, ld);
+        for (int64_t p = 0; p < P; ++p) WinoTask(s, own.data(), ld, u, bias, residual, y, t0, rows, p, m.data());
       }
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t t0 = ch * kWinoTiles;
+        WinoInput(s, x, shared + t0 * s.C, t0, std::min(T, t0 + kWinoTiles), ld);
+      }  // (the barrier here: V is whole)
+#pragma omp for schedule(static) collapse(2)
+      for (int64_t ch = 0; ch < chunks; ++ch)
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t t0 = ch * kWinoTiles, rows = std::min(T, t0 + kWinoTiles) - t0;
+          WinoTask(s, shared + t0 * s.C, ld, u, bias, residual, y, t0, rows, p, m.data());
+        }
+    }
   }
 }
 #else
