@@ -1,9 +1,10 @@
-"""The tactic library's own Winograd F(2x2, 3x3) kernel (conv algorithm 2, for CPUs where
-oneDNN has none): every output tile, tail and panel against a NumPy convolution, with the
-bias, the residual sum and each activation it takes, in either layout, with plain and packed
-weights (merged pieces included); the layers it does not fit run oneDNN's direct kernel and
-say so; and a model compiled with it runs in a runtime-only process with onnxruntime's
-answer."""
+"""The tactic library's own Winograd kernels (conv algorithms 2 and 3, for CPUs where oneDNN
+has none): each form (F(2x2, 3x3), F(4x4, 3x3), F(2x2, 5x5), the 1-d F(2, 7) and F(2, 3) of
+1x7 / 7x1 / 1x3 / 3x1 kernels), every output tile, tail and panel against a NumPy
+convolution, with the bias, the residual sum and each activation it takes, in either layout,
+with plain and packed weights (merged pieces included); the layers they do not fit run
+oneDNN's direct kernel and say so; and a model compiled with them runs in a runtime-only
+process with onnxruntime's answer."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tvm_layerfuse.testing import random_inputs, run_onnxruntime
 
 MISSING = onednn.availability()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"oneDNN is not installed here: {MISSING}")
-OWN = abi.CONV_ALGORITHMS["own_winograd"]
+OWN, OWN_4x4 = abi.CONV_ALGORITHMS["own_winograd"], abi.CONV_ALGORITHMS["own_winograd_4x4"]
 RTOL = 1e-5
 
 
@@ -33,10 +34,10 @@ def _blocked(a: np.ndarray, block: int) -> np.ndarray:
 
 
 def _conv(x, w, b, pads, act, alpha, beta, r):
-    """act(conv3x3(x, w) + b [+ r]) in float64, as NumPy computes it."""
+    """act(conv(x, w) + b [+ r]) in float64, as NumPy computes it."""
     pt, pl, pb, pr = pads
     xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
-    win = np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
+    win = np.lib.stride_tricks.sliding_window_view(xp, w.shape[2:], axis=(2, 3))
     y = np.einsum("ncijkl,ockl->noij", win, w.astype(np.float64), optimize=True) + b[None, :, None, None]
     if r is not None:
         y = y + r
@@ -55,18 +56,25 @@ def _attrs(pads, act, alpha, beta, src_block, dst_block, algorithm=OWN):
 
 def _own_kernel_here() -> None:
     kernel = onednn.implementation([1, 8, 6, 6], [8, 8, 3, 3], _attrs((1, 1, 1, 1), "none", 0, 0, 8, 8), residual=False)
-    if kernel != abi.OWN_WINOGRAD_KERNEL:
+    if not abi.is_own_winograd(kernel):
         pytest.skip(f"the library's Winograd kernel needs AVX2 and FMA; this CPU runs {kernel}")
 
 
 CASES = {
-    # n, c, k, h, w, pads, act, alpha, beta, residual, src_block, dst_block
-    "one-tile-row": (1, 16, 32, 7, 7, (1, 1, 1, 1), "relu", 0.0, 0.0, False, 8, 8),  # odd size: half tiles
-    "batch2-leaky-residual": (2, 8, 24, 9, 6, (1, 1, 1, 1), "relu", 0.1, 0.0, True, 8, 8),  # K 24: a half panel
-    "many-tasks": (1, 64, 64, 30, 30, (1, 1, 1, 1), "none", 0.0, 0.0, True, 8, 8),  # 225 tiles: 5 tasks, row tails
-    "clip-unpadded-plain": (1, 32, 40, 5, 11, (0, 0, 0, 0), "clip", -0.5, 0.75, False, 0, 0),
-    "asymmetric-pads": (2, 24, 16, 10, 10, (2, 1, 0, 2), "none", 0.0, 0.0, False, 8, 0),
-    "plain-in-residual": (1, 48, 32, 8, 8, (1, 1, 1, 1), "relu", 0.0, 0.0, True, 0, 8),
+    # algorithm, kernel (kh, kw), n, c, k, h, w, pads, act, alpha, beta, residual, src_block, dst_block
+    "2x2_3x3-one-tile-row": (OWN, (3, 3), 1, 16, 32, 7, 7, (1, 1, 1, 1), "relu", 0.0, 0.0, False, 8, 8),  # half tiles
+    "2x2_3x3-batch2-leaky-residual": (OWN, (3, 3), 2, 8, 24, 9, 6, (1, 1, 1, 1), "relu", 0.1, 0.0, True, 8, 8),  # K 24: half a panel
+    "2x2_3x3-many-tasks": (OWN, (3, 3), 1, 64, 64, 30, 30, (1, 1, 1, 1), "none", 0.0, 0.0, True, 8, 8),  # 225 tiles: 5 tasks
+    "2x2_3x3-clip-unpadded-plain": (OWN, (3, 3), 1, 32, 40, 5, 11, (0, 0, 0, 0), "clip", -0.5, 0.75, False, 0, 0),
+    "2x2_3x3-asymmetric-pads": (OWN, (3, 3), 2, 24, 16, 10, 10, (2, 1, 0, 2), "none", 0.0, 0.0, False, 8, 0),
+    "2x2_3x3-plain-in-residual": (OWN, (3, 3), 1, 48, 32, 8, 8, (1, 1, 1, 1), "relu", 0.0, 0.0, True, 0, 8),
+    "4x4_3x3-tails": (OWN_4x4, (3, 3), 2, 16, 24, 11, 9, (1, 1, 1, 1), "relu", 0.0, 0.0, True, 8, 8),  # 4x4 tiles, 3 and 1 left
+    "4x4_3x3-many-tasks": (OWN_4x4, (3, 3), 1, 32, 48, 43, 38, (0, 1, 1, 0), "none", 0.0, 0.0, False, 8, 8),
+    "2x2_5x5": (OWN, (5, 5), 1, 16, 16, 13, 12, (2, 2, 2, 2), "relu", 0.0, 0.0, True, 8, 8),
+    "1x2_1x7": (OWN, (1, 7), 1, 24, 32, 9, 17, (0, 3, 0, 3), "relu", 0.0, 0.0, False, 8, 8),
+    "2x1_7x1-batch2": (OWN, (7, 1), 2, 16, 16, 17, 5, (3, 0, 3, 0), "none", 0.0, 0.0, True, 8, 8),
+    "1x2_1x3": (OWN, (1, 3), 1, 32, 24, 8, 8, (0, 1, 0, 1), "clip", 0.0, 6.0, False, 8, 8),
+    "2x1_3x1-plain": (OWN, (3, 1), 1, 16, 32, 8, 7, (1, 0, 1, 0), "relu", 0.0, 0.0, False, 0, 0),
 }
 
 
@@ -74,17 +82,18 @@ CASES = {
 def test_the_library_winograd_matches_a_numpy_convolution(case):
     onednn.load()
     _own_kernel_here()
-    n, c, k, h, w, pads, act, alpha, beta, residual, sb, db = CASES[case]
+    algorithm, (kh, kw), n, c, k, h, w, pads, act, alpha, beta, residual, sb, db = CASES[case]
     rng = np.random.default_rng(sorted(CASES).index(case))
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
-    wt = (rng.standard_normal((k, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32)
+    wt = (rng.standard_normal((k, c, kh, kw)) / np.sqrt(kh * kw * c)).astype(np.float32)
     b = rng.standard_normal(k).astype(np.float32)
-    oh, ow = h + pads[0] + pads[2] - 2, w + pads[1] + pads[3] - 2
+    oh, ow = h + pads[0] + pads[2] - kh + 1, w + pads[1] + pads[3] - kw + 1
     r = rng.standard_normal((n, k, oh, ow)).astype(np.float32) if residual else None
     want = _conv(x, wt, b, pads, act, alpha, beta, r)
-    assert (want > 0).mean() > 0.2 and (want < 0).mean() > 0.05 if act == "none" else (want > 0).mean() > 0.2  # alive
-    attrs = _attrs(pads, act, alpha, beta, sb, db)
-    assert onednn.implementation([n, c, h, w], [k, c, 3, 3], attrs, residual=residual) == abi.OWN_WINOGRAD_KERNEL
+    assert (want > 0).mean() > 0.2 and np.unique(want).size > want.size // 5  # alive: not clipped flat
+    attrs = _attrs(pads, act, alpha, beta, sb, db, algorithm)
+    tile = case.split("-")[0]
+    assert onednn.implementation([n, c, h, w], [k, c, kh, kw], attrs, residual=residual) == f"winograd_{tile}" + abi.OWN_WINOGRAD_SUFFIX
 
     def run(weights, a):
         out = tvm.runtime.empty((n, k, oh, ow), "float32")
@@ -96,14 +105,15 @@ def test_the_library_winograd_matches_a_numpy_convolution(case):
         return out.numpy()
 
     assert rel_err(run(wt, attrs), _blocked(want, db).astype(np.float32)) <= RTOL
-    # the compiler's path: the weights packed once (U = G g G^T), the call reading them in place
+    # the compiler's path: the weights packed once (U = Gh g Gw^T), the call reading them in place
     identity, packed = onednn.pack_weights([n, c, h, w], wt, attrs, prologue=False, residual=residual, out_channels=[k])
-    assert packed.size == 16 * c * -(-k // 16) * 16  # 16 positions x C x K rounded up to a panel
+    positions = {"2x2_3x3": 16, "4x4_3x3": 36, "2x2_5x5": 36, "1x2_1x7": 8, "2x1_7x1": 8, "1x2_1x3": 4, "2x1_3x1": 4}[tile]
+    assert packed.size == positions * c * -(-k // 16) * 16  # the positions x C x K rounded up to a panel
     direct_id, _ = onednn.pack_weights(
         [n, c, h, w], wt, attrs.replace(algorithm=0), prologue=False, residual=residual, out_channels=[k]
     )
     assert identity != direct_id
-    packed_attrs = attrs.replace(packed=identity, weight_o=k, weight_i=c, weight_kh=3, weight_kw=3, layer=12)
+    packed_attrs = attrs.replace(packed=identity, weight_o=k, weight_i=c, weight_kh=kh, weight_kw=kw, layer=12)
     assert rel_err(run(packed, packed_attrs), _blocked(want, db).astype(np.float32)) <= RTOL
     with pytest.raises(Exception, match="packed at compile time"):  # the direct layout's identity: refused
         run(packed, packed_attrs.replace(packed=direct_id, layer=13))
@@ -138,9 +148,11 @@ def test_a_merged_conv_runs_each_piece_on_the_library_winograd():
         ([1, 16, 8, 8], [16, 8, 3, 3], {"groups": 2}),
         ([1, 16, 8, 8], [16, 16, 3, 3], {"act": abi.ACTIVATIONS["silu"]}),
         ([1, 16, 8, 8], [16, 16, 3, 3], {"src_block": 16, "dst_block": 16}),
-        ([1, 16, 8, 8], [16, 16, 5, 5], {"pad_top": 2, "pad_left": 2, "pad_bottom": 2, "pad_right": 2}),
+        ([1, 16, 8, 8], [16, 16, 5, 5], {"algorithm": OWN_4x4, "pad_top": 2, "pad_left": 2, "pad_bottom": 2, "pad_right": 2}),
+        ([1, 16, 8, 8], [16, 16, 1, 5], {"pad_top": 0, "pad_bottom": 0, "pad_left": 2, "pad_right": 2}),
+        ([1, 16, 8, 8], [16, 16, 3, 3], {"dilation_h": 2, "dilation_w": 2, "pad_top": 2, "pad_left": 2, "pad_bottom": 2, "pad_right": 2}),
     ],
-    ids=["channels", "stride", "groups", "silu", "block16", "5x5"],
+    ids=["channels", "stride", "groups", "silu", "block16", "5x5-tiles-of-4", "1x5", "dilated"],
 )
 def test_layers_the_library_winograd_does_not_fit_run_direct(x, w, change):
     """Algorithm 2 on a layer it does not fit: oneDNN's direct conv runs, and
@@ -174,7 +186,7 @@ def test_a_model_compiled_with_the_library_winograd_runs_runtime_only(tmp_path):
     assert main(["compile", str(path), "-o", str(out), "--winograd", "always", "-q"]) == 0
     layers = json.loads((out / "manifest.json").read_text())["tactics"]["layers"]
     three = [c for c in layers if c.get("shape", "").endswith(", 3, 3]")]
-    assert len(three) == 3 and all(c["kernel"] == abi.OWN_WINOGRAD_KERNEL for c in three), three
+    assert len(three) == 3 and all(abi.is_own_winograd(c["kernel"]) for c in three), three
     feeds = random_inputs(model, 2)
     (expected,) = run_onnxruntime(model, feeds)
     assert np.abs(expected).max() > 1e-2

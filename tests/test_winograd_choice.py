@@ -102,23 +102,27 @@ def test_fixed_modes_ignore_the_timings(fused, injected, mode, winograd):
     assert any(c.kernel == INJECTED_KERNEL for c in chooser.layers) is winograd
 
 
+OWN_2x2, OWN_4x4 = "winograd_2x2_3x3" + abi.OWN_WINOGRAD_SUFFIX, "winograd_4x4_3x3" + abi.OWN_WINOGRAD_SUFFIX
+
+
 @pytest.fixture
 def own_only(monkeypatch):
-    """oneDNN answers as on AVX2 (no Winograd kernel) and the library's own Winograd fits every
-    3x3 layer; ``timings`` = (direct ms, Winograd ms)."""
+    """oneDNN answers as on AVX2 (no Winograd kernel) and both of the library's 3x3 forms fit;
+    ``timings`` = {algorithm: (direct ms, Winograd ms)}."""
     real = onednn.implementation
     calls = []
+    own = {abi.CONV_ALGORITHMS["own_winograd"]: OWN_2x2, abi.CONV_ALGORITHMS["own_winograd_4x4"]: OWN_4x4}
 
     def implementation(x_shape, w_shape, attrs, *, residual):
         if attrs.algorithm == abi.CONV_ALGORITHMS["winograd"]:
             return "unsupported: no Winograd kernel here"
-        if attrs.algorithm == abi.CONV_ALGORITHMS["own_winograd"]:
-            return abi.OWN_WINOGRAD_KERNEL
+        if attrs.algorithm in own:
+            return own[attrs.algorithm]
         return real(x_shape, w_shape, attrs, residual=residual)
 
     def time_conv(x_shape, w_shape, attrs_a, attrs_b, *, residual, reps=7):
         calls.append((attrs_a.algorithm, attrs_b.algorithm))
-        return own_only.timings
+        return own_only.timings[attrs_b.algorithm]
 
     monkeypatch.setattr(onednn, "implementation", implementation)
     monkeypatch.setattr(onednn, "time_conv", time_conv)
@@ -126,12 +130,23 @@ def own_only(monkeypatch):
     return own_only
 
 
-@pytest.mark.parametrize("direct_ms, wino_ms, winograd", [(2.0, 1.0, True), (1.04, 1.0, False)])
-def test_without_a_onednn_winograd_kernel_the_library_one_is_timed_and_kept_by_the_same_rule(fused, own_only, direct_ms, wino_ms, winograd):
-    own_only.timings = (direct_ms, wino_ms)
+@pytest.mark.parametrize(
+    "tile2_ms, tile4_ms, chosen",
+    [
+        (1.0, 1.5, 2),  # tiles of 2 fastest
+        (1.5, 0.8, 3),  # tiles of 4 fastest
+        (1.0, 1.02, 0),  # neither faster than direct (1.04 ms) by the gain
+    ],
+)
+def test_without_a_onednn_winograd_kernel_the_fastest_library_form_is_kept_by_the_same_rule(
+    fused, own_only, tile2_ms, tile4_ms, chosen
+):
+    direct_ms = 1.04 if not chosen else 2.0
+    own_only.timings = {2: (direct_ms, tile2_ms), 3: (direct_ms, tile4_ms)}
     chooser = UseOneDNNConv(winograd="timed")
     mod = chooser(fused)
-    assert own_only.calls == [(0, abi.CONV_ALGORITHMS["own_winograd"])]  # the 3x3 conv: direct against the library's
+    assert own_only.calls == [(0, 2), (0, 3)]  # the 3x3 conv: direct against each of the library's forms
     three = next(c for c in chooser.layers if c.shape.endswith("3, 3]"))
-    assert (three.kernel == abi.OWN_WINOGRAD_KERNEL) is winograd, three
-    assert sorted(_conv_algorithms(mod)) == ([0, 2] if winograd else [0, 0])
+    assert three.kernel == {2: OWN_2x2, 3: OWN_4x4}.get(chosen, three.kernel) and abi.is_own_winograd(three.kernel) is bool(chosen)
+    assert three.timing == f"direct {direct_ms:.3f} ms, winograd {min(tile2_ms, tile4_ms):.3f} ms"
+    assert sorted(_conv_algorithms(mod)) == sorted([0, chosen])

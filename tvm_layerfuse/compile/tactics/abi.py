@@ -48,14 +48,22 @@ ABI_VERSION = 6  # 1: the positional contract before this module; 2: concat_conv
 # 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,);
 # 4: a conv's weights may come packed (ConvAttrs.packed and the weight dims); dense takes attrs (DenseAttrs)
 # 5: scale_channels (a squeeze-and-excitation gate in the convs' layout)
-# 6: conv algorithm 2, the library's own Winograd F(2x2, 3x3) kernel (AVX2)
+# 6: conv algorithms 2 and 3, the library's own Winograd kernels (AVX2)
 
 NAMESPACE = "layerfuse.onednn."
 # a conv's algorithm: oneDNN's direct kernels, oneDNN's Winograd (AVX-512 in oneDNN 2.6), or the
-# library's Winograd F(2x2, 3x3) kernel (AVX2; a layer it does not fit runs direct, and
-# `implementation` names the kernel that runs: OWN_WINOGRAD_KERNEL where it is the library's)
-CONV_ALGORITHMS = {"direct": 0, "winograd": 1, "own_winograd": 2}
-OWN_WINOGRAD_KERNEL = "winograd_2x2_3x3:layerfuse_avx2"
+# library's Winograd kernels (AVX2): output tiles of 2 along each axis its kernel spans (3x3,
+# 5x5, 1x7, 7x1, 1x3, 3x1) or of 4x4 (3x3). A layer they do not fit runs direct, and
+# `implementation` names the kernel that runs: ``winograd_<tile>_<kernel>`` + OWN_WINOGRAD_SUFFIX
+# where it is the library's
+CONV_ALGORITHMS = {"direct": 0, "winograd": 1, "own_winograd": 2, "own_winograd_4x4": 3}
+OWN_WINOGRAD_SUFFIX = ":layerfuse_avx2"
+OWN_WINOGRAD_KERNELS = {(3, 3): (2, 3), (5, 5): (2,), (1, 7): (2,), (7, 1): (2,), (1, 3): (2,), (3, 1): (2,)}  # kernel: algorithms
+
+
+def is_own_winograd(kernel: str) -> bool:
+    """Whether an ``implementation`` answer is one of the library's Winograd kernels."""
+    return kernel.startswith("winograd_") and kernel.endswith(OWN_WINOGRAD_SUFFIX)
 BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
 DST_BLOCK_BITS = 5  # a conv's dst_block: output j's block width in bits [5j, 5j + 5)
 MAX_BLOCKED_OUTPUTS = 64 // DST_BLOCK_BITS - 1  # 11: outputs beyond stay plain
@@ -163,7 +171,7 @@ class ConvAttrs(_Record):
     dst_block: int = 0  # output j's block width in bits [5j, 5j + 5) (dst_block(), dst_block_of())
     alpha_bits: int = 0  # float32 bits
     beta_bits: int = 0
-    algorithm: int = 0  # CONV_ALGORITHMS: 0 direct, 1 oneDNN's Winograd, 2 the library's Winograd
+    algorithm: int = 0  # CONV_ALGORITHMS: 0 direct, 1 oneDNN's Winograd, 2 / 3 the library's (tiles of 2 / 4)
     layer: int = 0  # the layer's id in its module, assigned at compile time (the library's cache key)
     # the weights: 0 plain OIHW [O, C/groups, kh, kw]; else they come packed (1-d, the bytes of
     # each piece's weights in the layout its oneDNN primitive picks, see compile/tactics/prepack.py)

@@ -30,9 +30,9 @@
 //   dst_block packs out_j's width in its bits [5j, 5j + 5) (one output: dst_block is its
 //   width); algorithm: 0 direct, 1 Winograd (oneDNN's F(4x4, 3x3) or F(2x2, 3x3) kernels:
 //   3x3, stride 1, fewer multiplies, chosen per layer by timing at compile time; AVX-512
-//   only in oneDNN 2.6), 2 this library's Winograd F(2x2, 3x3) kernel (AVX2; see Winograd
-//   below: where a layer does not fit it, the direct conv runs and `implementation` says
-//   so); layer: the
+//   only in oneDNN 2.6), 2 and 3 this library's Winograd kernels (AVX2, output tiles of 2 or
+//   4: see Winograd below; where a layer does not fit them, the direct conv runs and
+//   `implementation` says so); layer: the
 //   layer's id in its module, assigned at compile time. Strides, dilations and groups below 1
 //   and block widths other than 0, 8, 16 are refused.
 //   The BatchNorm of the layer is already folded into w and b.
@@ -216,14 +216,14 @@ int64_t DstBlock(int64_t dst_block, size_t j) {
 struct Attrs {
   int64_t stride[2], pad_l[2], pad_r[2], dilation[2], groups, act, src_block, dst_block;
   float alpha, beta;
-  int64_t algorithm;  // 0 direct, 1 oneDNN's Winograd, 2 this library's Winograd (see Winograd)
+  int64_t algorithm;  // 0 direct, 1 oneDNN's Winograd, 2 / 3 this library's (tiles of 2 / 4: see Winograd)
   int64_t layer;      // the layer's id in its module
   int64_t packed;     // 0: the weight tensor is plain OIHW; else the identity of its packed layout (PackedId)
   dims wdims;         // packed: the weights' [O, C/groups, kh, kw] (the tensor is their packed bytes)
   static Attrs From(const Shape& a) {
     if (a.size() != kConvFieldCount)
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: attrs must have " << kConvFieldCount << " entries, got " << a.size();
-    if (a[kAlgorithm] < 0 || a[kAlgorithm] > 2)
+    if (a[kAlgorithm] < 0 || a[kAlgorithm] > 3)
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown conv algorithm " << a[kAlgorithm];
     if (a[kAct] < 0 || a[kAct] >= kActivationCount)
       TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << a[kAct];
@@ -342,114 +342,224 @@ struct OneThread {
   ~OneThread() { omp_set_num_threads(saved); }
 };
 
-// Winograd. oneDNN 2.6 has Winograd kernels for AVX-512 only; on AVX2 (algorithm 2) a 3x3
-// stride-1 conv may run this library's F(2x2, 3x3) kernel instead, chosen per layer by timing
-// at compile time as oneDNN's is. Per 2x2 output tile (4x4 input patch d, 3x3 filter g):
-//   y = A^T [ (G g G^T) .* (B^T d B) ] A
-//   B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1], G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1],
-//   A^T = [1 1 1 0; 0 1 -1 -1]
-// so each tile costs 16 multiply-adds per (input, output) channel pair instead of 36, summed
-// over input channels as 16 matrix products: M[xi] (tiles x K) = V[xi] (tiles x C) U[xi] (C x K),
-// xi the 16 positions of the 4x4 transform. Activations are nChw8c (eight channels: one AVX2
-// vector); the input transform of every tile runs first (V, in the calling thread's scratch),
-// then each task - up to kWinoTiles tiles times kWinoPanel output channels - forms its 16
-// products (a 6x16 register-blocked kernel) and transforms them back into y with the bias, the
-// residual (y's bytes before the call: the sum post-op) and the activation. The conv fits where
-// C and K are multiples of 8, groups, strides and dilations are 1, src and dst are nChw8c or
-// plain (reordered as for any primitive), the activation is none, relu or clip, and the CPU has
-// AVX2 and FMA. Its weights U [16][K/16][C][16] (zero past K) are packed like a primitive's
-// (PackWinograd): 16 C K floats (K rounded up to 16), against 9 C K direct.
+// Winograd. oneDNN 2.6 has Winograd kernels for AVX-512 only; on AVX2 a stride-1 conv may run
+// this library's Winograd kernel instead (algorithm 2: output tiles of 2 along each axis the
+// kernel spans, 3: 4x4 tiles, 3x3 only), chosen per layer by timing at compile time as
+// oneDNN's is. Along one axis, F(m, r) makes m outputs of an r-tap filter g from a = m + r - 1
+// inputs d with a multiplies instead of m r:
+//   y = AT [ (G g) .* (BT d) ]        (AT: m x a, G: a x r, BT: a x a; Cook-Toom, points
+//                                      0, 1, -1, 2, -2, 1/2, -1/2 as many as needed, and oo)
+// and a 2-d kernel nests two of them, F(mh x mw, rh x rw): per tile (an ah x aw input patch d)
+//   y = ATh [ (Gh g Gw^T) .* (BTh d BTw^T) ] ATw^T
+// Summed over input channels, each of the ah aw positions xi of the transformed tile is a
+// matrix product: M[xi] (tiles x K) = V[xi] (tiles x C) U[xi] (C x K). The forms: F(2x2, 3x3)
+// (16 multiplies per 4 outputs instead of 36), F(4x4, 3x3) (36 per 16 instead of 144),
+// F(2x2, 5x5), and the 1-d F(2, 7) and F(2, 3) of 1x7 / 7x1 and 1x3 / 3x1 convs (Inception's).
+// Activations are nChw8c (eight channels: one AVX2 vector). Each task - up to kWinoTiles tiles
+// times kWinoPanel output channels - forms its products (a 6x16 register-blocked kernel) and
+// transforms them back into y with the bias, the residual (y's bytes before the call: the sum
+// post-op) and the activation; the input transform of its tiles runs in the task (large
+// images) or for all tiles first (small ones, see RunWinograd). A conv fits where C and K are
+// multiples of 8, groups, strides and dilations are 1, src and dst are nChw8c or plain
+// (reordered as for any primitive), the activation is none, relu or clip, and the CPU has AVX2
+// and FMA. Its weights U [ah aw][K/16][C][16] (zero past K) are packed like a primitive's
+// (WinoPack): ah aw C K floats (K rounded up to 16).
 constexpr int64_t kWinoBlock = 8;   // the activations' channel block
 constexpr int64_t kWinoPanel = 16;  // output channels per panel of U (two vectors)
-constexpr int64_t kWinoTiles = 48;  // tiles per task of the product phase
-constexpr const char* kWinoImpl = "winograd_2x2_3x3:layerfuse_avx2";
+constexpr int64_t kWinoTiles = 48;  // tiles per task
+
+// One axis: F(m, r) (the matrices verified exact in rational arithmetic)
+struct AxisF1 {  // no filter along this axis (a 1-d kernel's other axis)
+  static constexpr int m = 1, r = 1, a = 1;
+  static constexpr float AT[1][1] = {{1.f}}, G[1][1] = {{1.f}}, BT[1][1] = {{1.f}};
+};
+struct AxisF23 {
+  static constexpr int m = 2, r = 3, a = 4;
+  static constexpr float AT[m][a] = {{1.f, 1.f, 1.f, 0.f}, {0.f, 1.f, -1.f, 1.f}};
+  static constexpr float G[a][r] = {{-1.f, 0.f, 0.f}, {.5f, .5f, .5f}, {.5f, -.5f, .5f}, {0.f, 0.f, 1.f}};
+  static constexpr float BT[a][a] = {{-1.f, 0.f, 1.f, 0.f}, {0.f, 1.f, 1.f, 0.f}, {0.f, -1.f, 1.f, 0.f}, {0.f, -1.f, 0.f, 1.f}};
+};
+struct AxisF43 {
+  static constexpr int m = 4, r = 3, a = 6;
+  static constexpr float AT[m][a] = {
+      {1.f, 1.f, 1.f, 1.f, 1.f, 0.f}, {0.f, 1.f, -1.f, 2.f, -2.f, 0.f}, {0.f, 1.f, 1.f, 4.f, 4.f, 0.f}, {0.f, 1.f, -1.f, 8.f, -8.f, 1.f}};
+  static constexpr float G[a][r] = {{1.f / 4, 0.f, 0.f},           {-1.f / 6, -1.f / 6, -1.f / 6}, {-1.f / 6, 1.f / 6, -1.f / 6},
+                                    {1.f / 24, 1.f / 12, 1.f / 6}, {1.f / 24, -1.f / 12, 1.f / 6}, {0.f, 0.f, 1.f}};
+  static constexpr float BT[a][a] = {{4.f, 0.f, -5.f, 0.f, 1.f, 0.f},  {0.f, -4.f, -4.f, 1.f, 1.f, 0.f}, {0.f, 4.f, -4.f, -1.f, 1.f, 0.f},
+                                     {0.f, -2.f, -1.f, 2.f, 1.f, 0.f}, {0.f, 2.f, -1.f, -2.f, 1.f, 0.f}, {0.f, 4.f, 0.f, -5.f, 0.f, 1.f}};
+};
+struct AxisF25 {
+  static constexpr int m = 2, r = 5, a = 6;
+  static constexpr float AT[m][a] = {{1.f, 1.f, 1.f, 1.f, 1.f, 0.f}, {0.f, 1.f, -1.f, 2.f, -2.f, 1.f}};
+  static constexpr float G[a][r] = {{1.f / 4, 0.f, 0.f, 0.f, 0.f},
+                                    {-1.f / 6, -1.f / 6, -1.f / 6, -1.f / 6, -1.f / 6},
+                                    {-1.f / 6, 1.f / 6, -1.f / 6, 1.f / 6, -1.f / 6},
+                                    {1.f / 24, 1.f / 12, 1.f / 6, 1.f / 3, 2.f / 3},
+                                    {1.f / 24, -1.f / 12, 1.f / 6, -1.f / 3, 2.f / 3},
+                                    {0.f, 0.f, 0.f, 0.f, 1.f}};
+  static constexpr const float (&BT)[a][a] = AxisF43::BT;  // the same points
+};
+struct AxisF27 {
+  static constexpr int m = 2, r = 7, a = 8;
+  static constexpr float AT[m][a] = {{1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 0.f}, {0.f, 1.f, -1.f, 2.f, -2.f, .5f, -.5f, 1.f}};
+  static constexpr float G[a][r] = {{-1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f},
+                                    {-2.f / 9, -2.f / 9, -2.f / 9, -2.f / 9, -2.f / 9, -2.f / 9, -2.f / 9},
+                                    {-2.f / 9, 2.f / 9, -2.f / 9, 2.f / 9, -2.f / 9, 2.f / 9, -2.f / 9},
+                                    {1.f / 90, 1.f / 45, 2.f / 45, 4.f / 45, 8.f / 45, 16.f / 45, 32.f / 45},
+                                    {1.f / 90, -1.f / 45, 2.f / 45, -4.f / 45, 8.f / 45, -16.f / 45, 32.f / 45},
+                                    {32.f / 45, 16.f / 45, 8.f / 45, 4.f / 45, 2.f / 45, 1.f / 45, 1.f / 90},
+                                    {32.f / 45, -16.f / 45, 8.f / 45, -4.f / 45, 2.f / 45, -1.f / 45, 1.f / 90},
+                                    {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1.f}};
+  static constexpr float BT[a][a] = {{-1.f, 0.f, 21.f / 4, 0.f, -21.f / 4, 0.f, 1.f, 0.f},
+                                     {0.f, 1.f, 1.f, -17.f / 4, -17.f / 4, 1.f, 1.f, 0.f},
+                                     {0.f, -1.f, 1.f, 17.f / 4, -17.f / 4, -1.f, 1.f, 0.f},
+                                     {0.f, .5f, .25f, -2.5f, -1.25f, 2.f, 1.f, 0.f},
+                                     {0.f, -.5f, .25f, 2.5f, -1.25f, -2.f, 1.f, 0.f},
+                                     {0.f, 2.f, 4.f, -2.5f, -5.f, .5f, 1.f, 0.f},
+                                     {0.f, -2.f, 4.f, 2.5f, -5.f, -.5f, 1.f, 0.f},
+                                     {0.f, -1.f, 0.f, 21.f / 4, 0.f, -21.f / 4, 0.f, 1.f}};
+};
+
+struct Wino;
+struct WinoForm {  // one kernel shape's Winograd form and its code
+  int64_t mh, mw, ah, aw;
+  const char* impl;  // what `implementation` reports
+  void (*input)(const Wino&, const float*, float*, int64_t, int64_t, int64_t);
+  void (*output)(const Wino&, const float*, int64_t, int64_t, int64_t, int64_t, const float*, bool, float*);
+  void (*pack)(const Wino&, const float*, float*);
+};
 
 struct Wino {
+  const WinoForm* form;
   int64_t N, C, H, W, K, OH, OW, pt, pl;
   int64_t act;
   float alpha, beta;
-  int64_t TH() const { return (OH + 1) / 2; }
-  int64_t TW() const { return (OW + 1) / 2; }
+  int64_t Positions() const { return form->ah * form->aw; }
+  int64_t TH() const { return (OH + form->mh - 1) / form->mh; }
+  int64_t TW() const { return (OW + form->mw - 1) / form->mw; }
   int64_t T() const { return N * TH() * TW(); }
   int64_t Panels() const { return (K + kWinoPanel - 1) / kWinoPanel; }
-  int64_t PackedFloats() const { return 16 * Panels() * C * kWinoPanel; }
+  int64_t PackedFloats() const { return Positions() * Panels() * C * kWinoPanel; }
 };
 
-// Why conv(x, w, at) does not fit the Winograd kernel ("" where it does).
-std::string WinogradMisfit(const dims& x, const dims& w, const Attrs& at, int64_t dst_block) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return "the CPU has no AVX2 and FMA";
-#else
-  return "not an x86-64 build";
-#endif
-  if (w[2] != 3 || w[3] != 3) return "not a 3x3 kernel";
-  if (x[1] != w[1]) return "its shapes do not agree";
-  if (x[2] + at.pad_l[0] + at.pad_r[0] < 3 || x[3] + at.pad_l[1] + at.pad_r[1] < 3) return "its output is empty";
-  if (at.stride[0] != 1 || at.stride[1] != 1 || at.dilation[0] != 1 || at.dilation[1] != 1 || at.groups != 1)
-    return "strides, dilations or groups are not 1";
-  if (x[1] % kWinoBlock || w[0] % kWinoBlock) return "channels are not multiples of 8";
-  if ((at.src_block && at.src_block != kWinoBlock) || (dst_block && dst_block != kWinoBlock)) return "a 16-channel block";
-  if (at.act != kNone && at.act != kRelu && at.act != kClip) return "its activation is not none, relu or clip";
-  return "";
-}
-
-// U = G g G^T of plain weights g [K, C, 3, 3], into u (Wino::PackedFloats, zeroed here).
-void PackWinograd(const Wino& s, const float* g, float* u) {
+// U[xi][K/16][C][16] = (Gh g Gw^T)[xi] of plain weights g [K, C, rh, rw] (in double; zero past K)
+template <class H, class W>
+void WinoPack(const Wino& s, const float* g, float* u) {
   std::memset(u, 0, sizeof(float) * s.PackedFloats());
   const int64_t P = s.Panels();
   for (int64_t k = 0; k < s.K; ++k)
     for (int64_t c = 0; c < s.C; ++c) {
-      const float* f = g + (k * s.C + c) * 9;
-      float t[4][3];  // G g
-      for (int j = 0; j < 3; ++j) {
-        t[0][j] = f[j];
-        t[1][j] = 0.5f * (f[j] + f[3 + j] + f[6 + j]);
-        t[2][j] = 0.5f * (f[j] - f[3 + j] + f[6 + j]);
-        t[3][j] = f[6 + j];
-      }
-      for (int i = 0; i < 4; ++i) {
-        const float v[4] = {t[i][0], 0.5f * (t[i][0] + t[i][1] + t[i][2]), 0.5f * (t[i][0] - t[i][1] + t[i][2]), t[i][2]};
-        for (int j = 0; j < 4; ++j) u[(((i * 4 + j) * P + k / kWinoPanel) * s.C + c) * kWinoPanel + k % kWinoPanel] = v[j];
-      }
+      const float* f = g + (k * s.C + c) * H::r * W::r;
+      double t[H::a][W::r] = {}, v[H::a][W::a] = {};
+      for (int i = 0; i < H::a; ++i)
+        for (int j = 0; j < W::r; ++j)
+          for (int q = 0; q < H::r; ++q) t[i][j] += double(H::G[i][q]) * f[q * W::r + j];
+      for (int i = 0; i < H::a; ++i)
+        for (int j = 0; j < W::a; ++j)
+          for (int q = 0; q < W::r; ++q) v[i][j] += t[i][q] * double(W::G[j][q]);
+      for (int i = 0; i < H::a; ++i)
+        for (int j = 0; j < W::a; ++j)
+          u[(((i * W::a + j) * P + k / kWinoPanel) * s.C + c) * kWinoPanel + k % kWinoPanel] = static_cast<float>(v[i][j]);
     }
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LAYERFUSE_AVX2 __attribute__((target("avx2,fma")))
 
-// V[xi][t][c] = (B^T d B)[xi] of tiles [t0, t1) (v: V's row t0; ld: floats between two xi)
+// sum_j c[j] x[j * stride]: the terms of zero coefficients dropped, +-1 as adds (the loop is
+// unrolled, so each test is decided at compile time)
+template <int N>
+LAYERFUSE_AVX2 inline __m256 WinoCombine(const float (&c)[N], const __m256* x, int stride) {
+  __m256 acc = _mm256_setzero_ps();
+  bool first = true;
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) {
+    const float k = c[j];
+    if (k == 0.f) continue;
+    const __m256 t = x[j * stride];
+    if (first) {
+      acc = k == 1.f ? t : _mm256_mul_ps(_mm256_set1_ps(k), t);
+    } else if (k == 1.f) {
+      acc = _mm256_add_ps(acc, t);
+    } else if (k == -1.f) {
+      acc = _mm256_sub_ps(acc, t);
+    } else {
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(k), t, acc);
+    }
+    first = false;
+  }
+  return acc;
+}
+
+// V[xi][t][c] = (BTh d BTw^T)[xi] of tiles [t0, t1) (v: V's row t0; ld: floats between two xi)
+template <class H, class W>
 LAYERFUSE_AVX2 void WinoInput(const Wino& s, const float* x, float* v, int64_t t0, int64_t t1, int64_t ld) {
   const int64_t TH = s.TH(), TW = s.TW(), CB = s.C / kWinoBlock;
   const __m256 zero = _mm256_setzero_ps();
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t n = t / (TH * TW), y0 = t / TW % TH * 2 - s.pt, x0 = t % TW * 2 - s.pl;
-    const bool inside = y0 >= 0 && x0 >= 0 && y0 + 4 <= s.H && x0 + 4 <= s.W;
+    const int64_t n = t / (TH * TW), y0 = t / TW % TH * H::m - s.pt, x0 = t % TW * W::m - s.pl;
+    const bool inside = y0 >= 0 && x0 >= 0 && y0 + H::a <= s.H && x0 + W::a <= s.W;
     for (int64_t cb = 0; cb < CB; ++cb) {
       const float* base = x + (n * CB + cb) * s.H * s.W * kWinoBlock;
-      __m256 d[4][4], r[4][4];
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
+      __m256 d[H::a][W::a], r[H::a][W::a];
+#pragma GCC unroll 8
+      for (int i = 0; i < H::a; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < W::a; ++j) {
           const int64_t yy = y0 + i, xx = x0 + j;
           d[i][j] = inside || (yy >= 0 && yy < s.H && xx >= 0 && xx < s.W) ? _mm256_loadu_ps(base + (yy * s.W + xx) * kWinoBlock)
                                                                            : zero;
         }
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {  // B^T d
-        r[0][j] = _mm256_sub_ps(d[0][j], d[2][j]);
-        r[1][j] = _mm256_add_ps(d[1][j], d[2][j]);
-        r[2][j] = _mm256_sub_ps(d[2][j], d[1][j]);
-        r[3][j] = _mm256_sub_ps(d[1][j], d[3][j]);
-      }
+#pragma GCC unroll 8
+      for (int i = 0; i < H::a; ++i)  // BTh d
+#pragma GCC unroll 8
+        for (int j = 0; j < W::a; ++j) r[i][j] = WinoCombine<H::a>(H::BT[i], &d[0][j], W::a);
       float* o = v + (t - t0) * s.C + cb * kWinoBlock;
+#pragma GCC unroll 8
+      for (int i = 0; i < H::a; ++i)  // (BTh d) BTw^T
+#pragma GCC unroll 8
+        for (int j = 0; j < W::a; ++j) _mm256_storeu_ps(o + (i * W::a + j) * ld, WinoCombine<W::a>(W::BT[j], &r[i][0], 1));
+    }
+  }
+}
+
+// y (tiles [t0, t1), output channels [k0, k0 + kn)) = act(ATh m ATw^T + bias [+ y]), m[xi][tiles][16]
+template <class H, class W>
+LAYERFUSE_AVX2 void WinoOutput(const Wino& s, const float* m, int64_t t0, int64_t t1, int64_t k0, int64_t kn,
+                               const float* bias, bool residual, float* y) {
+  const int64_t TH = s.TH(), TW = s.TW(), KB = s.K / kWinoBlock, ldm = (t1 - t0) * kWinoPanel;
+  const __m256 zero = _mm256_setzero_ps(), alpha = _mm256_set1_ps(s.alpha), beta = _mm256_set1_ps(s.beta);
+  for (int64_t kk = 0; kk < kn; kk += kWinoBlock) {
+    const __m256 b = _mm256_loadu_ps(bias + k0 + kk);
+    const int64_t kb = (k0 + kk) / kWinoBlock;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t / (TH * TW), th = t / TW % TH, tw = t % TW;
+      const float* mt = m + (t - t0) * kWinoPanel + kk;
+      __m256 p[H::a][W::a], a[H::m][W::a];
+#pragma GCC unroll 8
+      for (int i = 0; i < H::a; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < W::a; ++j) p[i][j] = _mm256_loadu_ps(mt + (i * W::a + j) * ldm);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {  // (B^T d) B
-        _mm256_storeu_ps(o + (i * 4 + 0) * ld, _mm256_sub_ps(r[i][0], r[i][2]));
-        _mm256_storeu_ps(o + (i * 4 + 1) * ld, _mm256_add_ps(r[i][1], r[i][2]));
-        _mm256_storeu_ps(o + (i * 4 + 2) * ld, _mm256_sub_ps(r[i][2], r[i][1]));
-        _mm256_storeu_ps(o + (i * 4 + 3) * ld, _mm256_sub_ps(r[i][1], r[i][3]));
-      }
+      for (int i = 0; i < H::m; ++i)  // ATh m
+#pragma GCC unroll 8
+        for (int j = 0; j < W::a; ++j) a[i][j] = WinoCombine<H::a>(H::AT[i], &p[0][j], W::a);
+      float* out = y + (n * KB + kb) * s.OH * s.OW * kWinoBlock;
+#pragma GCC unroll 4
+      for (int i = 0; i < H::m; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < W::m; ++j) {  // (ATh m) ATw^T
+          const int64_t oy = th * H::m + i, ox = tw * W::m + j;
+          if (oy >= s.OH || ox >= s.OW) continue;
+          float* o = out + (oy * s.OW + ox) * kWinoBlock;
+          __m256 z = _mm256_add_ps(WinoCombine<W::a>(W::AT[j], &a[i][0], 1), b);
+          if (residual) z = _mm256_add_ps(z, _mm256_loadu_ps(o));
+          if (s.act == kRelu)  // negative slope alpha
+            z = _mm256_add_ps(_mm256_max_ps(z, zero), _mm256_mul_ps(alpha, _mm256_min_ps(z, zero)));
+          else if (s.act == kClip)
+            z = _mm256_min_ps(_mm256_max_ps(z, alpha), beta);
+          _mm256_storeu_ps(o, z);
+        }
     }
   }
 }
@@ -491,55 +601,14 @@ void WinoProduct(const float* v, int64_t ldv, const float* u, int64_t C, float* 
   }
 }
 
-// y (tiles [t0, t1), output channels [k0, k0 + kn)) = act(A^T m A + bias [+ y]), m[16][tiles][16]
-LAYERFUSE_AVX2 void WinoOutput(const Wino& s, const float* m, int64_t t0, int64_t t1, int64_t k0, int64_t kn,
-                               const float* bias, bool residual, float* y) {
-  const int64_t TH = s.TH(), TW = s.TW(), KB = s.K / kWinoBlock, ldm = (t1 - t0) * kWinoPanel;
-  const __m256 zero = _mm256_setzero_ps(), alpha = _mm256_set1_ps(s.alpha), beta = _mm256_set1_ps(s.beta);
-  for (int64_t kk = 0; kk < kn; kk += kWinoBlock) {
-    const __m256 b = _mm256_loadu_ps(bias + k0 + kk);
-    const int64_t kb = (k0 + kk) / kWinoBlock;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t / (TH * TW), th = t / TW % TH, tw = t % TW;
-      const float* mt = m + (t - t0) * kWinoPanel + kk;
-      __m256 a[4][2];  // A^T m
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m256 m0 = _mm256_loadu_ps(mt + j * ldm), m1 = _mm256_loadu_ps(mt + (4 + j) * ldm);
-        const __m256 m2 = _mm256_loadu_ps(mt + (8 + j) * ldm), m3 = _mm256_loadu_ps(mt + (12 + j) * ldm);
-        a[j][0] = _mm256_add_ps(_mm256_add_ps(m0, m1), m2);
-        a[j][1] = _mm256_sub_ps(_mm256_sub_ps(m1, m2), m3);
-      }
-      float* out = y + (n * KB + kb) * s.OH * s.OW * kWinoBlock;
-#pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i)
-#pragma GCC unroll 2
-        for (int j = 0; j < 2; ++j) {  // (A^T m) A
-          const int64_t oy = th * 2 + i, ox = tw * 2 + j;
-          if (oy >= s.OH || ox >= s.OW) continue;
-          float* o = out + (oy * s.OW + ox) * kWinoBlock;
-          __m256 z = j == 0 ? _mm256_add_ps(_mm256_add_ps(a[0][i], a[1][i]), a[2][i])
-                            : _mm256_sub_ps(_mm256_sub_ps(a[1][i], a[2][i]), a[3][i]);
-          z = _mm256_add_ps(z, b);
-          if (residual) z = _mm256_add_ps(z, _mm256_loadu_ps(o));
-          if (s.act == kRelu)  // negative slope alpha
-            z = _mm256_add_ps(_mm256_max_ps(z, zero), _mm256_mul_ps(alpha, _mm256_min_ps(z, zero)));
-          else if (s.act == kClip)
-            z = _mm256_min_ps(_mm256_max_ps(z, alpha), beta);
-          _mm256_storeu_ps(o, z);
-        }
-    }
-  }
-}
-
 // The products and output transform of tiles [t0, t0 + rows) and panel p, from their V rows
-// (v: row t0 of position 0; ld: floats between two positions), through m (16 x rows x 16).
+// (v: row t0 of position 0; ld: floats between two positions), through m (xi x rows x 16).
 void WinoTask(const Wino& s, const float* v, int64_t ld, const float* u, const float* bias, bool residual, float* y,
               int64_t t0, int64_t rows, int64_t p, float* m) {
-  const int64_t P = s.Panels();
-  for (int xi = 0; xi < 16; ++xi)
+  const int64_t P = s.Panels(), X = s.Positions();
+  for (int64_t xi = 0; xi < X; ++xi)
     WinoProduct(v + xi * ld, s.C, u + (xi * P + p) * s.C * kWinoPanel, s.C, m + xi * rows * kWinoPanel, rows);
-  WinoOutput(s, m, t0, t0 + rows, p * kWinoPanel, std::min(kWinoPanel, s.K - p * kWinoPanel), bias, residual, y);
+  s.form->output(s, m, t0, t0 + rows, p * kWinoPanel, std::min(kWinoPanel, s.K - p * kWinoPanel), bias, residual, y);
 }
 
 // y = conv(x, the weights packed in u) + bias [+ y], activated; x, y nChw8c. With enough tiles
@@ -547,27 +616,27 @@ void WinoTask(const Wino& s, const float* v, int64_t ld, const float* u, const f
 // every panel on them while their V is in cache; with few (small images), the input of all
 // tiles is transformed first, and tasks are (tiles, panel) pairs, so the panels spread too.
 void RunWinograd(const Wino& s, const float* x, const float* u, const float* bias, bool residual, float* y) {
-  const int64_t T = s.T(), P = s.Panels(), chunks = (T + kWinoTiles - 1) / kWinoTiles;
+  const int64_t T = s.T(), P = s.Panels(), X = s.Positions(), chunks = (T + kWinoTiles - 1) / kWinoTiles;
   const bool by_chunk = chunks >= 2 * omp_get_max_threads();
   const int64_t ld = by_chunk ? kWinoTiles * s.C : T * s.C;  // V: one chunk's per thread, or all of it
-  float* shared = by_chunk ? nullptr : static_cast<float*>(ScratchpadData(sizeof(float) * 16 * ld));
+  float* shared = by_chunk ? nullptr : static_cast<float*>(ScratchpadData(sizeof(float) * X * ld));
 #pragma omp parallel
   {
     thread_local std::vector<float> m, own;  // a task's products; by_chunk: its V
-    m.resize(16 * kWinoTiles * kWinoPanel);
+    m.resize(X * kWinoTiles * kWinoPanel);
     if (by_chunk) {
-      own.resize(16 * ld);
+      own.resize(X * ld);
 #pragma omp for schedule(static)
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t t0 = ch * kWinoTiles, rows = std::min(T, t0 + kWinoTiles) - t0;
-        WinoInput(s, x, own.data(), t0, t0 + rows, ld);
+        s.form->input(s, x, own.data(), t0, t0 + rows, ld);
         for (int64_t p = 0; p < P; ++p) WinoTask(s, own.data(), ld, u, bias, residual, y, t0, rows, p, m.data());
       }
     } else {
 #pragma omp for schedule(static)
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t t0 = ch * kWinoTiles;
-        WinoInput(s, x, shared + t0 * s.C, t0, std::min(T, t0 + kWinoTiles), ld);
+        s.form->input(s, x, shared + t0 * s.C, t0, std::min(T, t0 + kWinoTiles), ld);
       }  // (the barrier here: V is whole)
 #pragma omp for schedule(static) collapse(2)
       for (int64_t ch = 0; ch < chunks; ++ch)
@@ -578,11 +647,53 @@ void RunWinograd(const Wino& s, const float* x, const float* u, const float* bia
     }
   }
 }
+
+template <class H, class W>
+constexpr WinoForm MakeForm(const char* impl) {
+  return WinoForm{H::m, W::m, H::a, W::a, impl, &WinoInput<H, W>, &WinoOutput<H, W>, &WinoPack<H, W>};
+}
+
+// The form of a kernel kh x kw under algorithm 2 (tiles of 2) or 3 (tiles of 4), or null.
+const WinoForm* FormOf(int64_t kh, int64_t kw, int64_t algorithm) {
+  static const WinoForm f2x2_3x3 = MakeForm<AxisF23, AxisF23>("winograd_2x2_3x3:layerfuse_avx2"),
+                        f4x4_3x3 = MakeForm<AxisF43, AxisF43>("winograd_4x4_3x3:layerfuse_avx2"),
+                        f2x2_5x5 = MakeForm<AxisF25, AxisF25>("winograd_2x2_5x5:layerfuse_avx2"),
+                        f1x2_1x7 = MakeForm<AxisF1, AxisF27>("winograd_1x2_1x7:layerfuse_avx2"),
+                        f2x1_7x1 = MakeForm<AxisF27, AxisF1>("winograd_2x1_7x1:layerfuse_avx2"),
+                        f1x2_1x3 = MakeForm<AxisF1, AxisF23>("winograd_1x2_1x3:layerfuse_avx2"),
+                        f2x1_3x1 = MakeForm<AxisF23, AxisF1>("winograd_2x1_3x1:layerfuse_avx2");
+  if (algorithm == 3) return kh == 3 && kw == 3 ? &f4x4_3x3 : nullptr;
+  if (algorithm != 2) return nullptr;
+  if (kh == 3 && kw == 3) return &f2x2_3x3;
+  if (kh == 5 && kw == 5) return &f2x2_5x5;
+  if (kh == 1 && kw == 7) return &f1x2_1x7;
+  if (kh == 7 && kw == 1) return &f2x1_7x1;
+  if (kh == 1 && kw == 3) return &f1x2_1x3;
+  if (kh == 3 && kw == 1) return &f2x1_3x1;
+  return nullptr;
+}
 #else
+const WinoForm* FormOf(int64_t, int64_t, int64_t) { return nullptr; }
 void RunWinograd(const Wino&, const float*, const float*, const float*, bool, float*) {
   TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: the Winograd kernel needs an x86-64 build";
 }
 #endif
+
+// Why conv(x, w, at) does not fit the library's Winograd kernel ("" where it does).
+std::string WinogradMisfit(const dims& x, const dims& w, const Attrs& at, int64_t dst_block) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return "the CPU has no AVX2 and FMA";
+#endif
+  if (!FormOf(w[2], w[3], at.algorithm)) return "no Winograd form for its kernel";
+  if (x[1] != w[1]) return "its shapes do not agree";
+  if (x[2] + at.pad_l[0] + at.pad_r[0] < w[2] || x[3] + at.pad_l[1] + at.pad_r[1] < w[3]) return "its output is empty";
+  if (at.stride[0] != 1 || at.stride[1] != 1 || at.dilation[0] != 1 || at.dilation[1] != 1 || at.groups != 1)
+    return "strides, dilations or groups are not 1";
+  if (x[1] % kWinoBlock || w[0] % kWinoBlock) return "channels are not multiples of 8";
+  if ((at.src_block && at.src_block != kWinoBlock) || (dst_block && dst_block != kWinoBlock)) return "a 16-channel block";
+  if (at.act != kNone && at.act != kRelu && at.act != kClip) return "its activation is not none, relu or clip";
+  return "";
+}
 
 dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w, const Attrs& at, bool residual,
                                                    int64_t dst_block) {
@@ -778,21 +889,24 @@ struct Kernel {
 
 Kernel MakeKernel(const dims& x, const dims& w, const Attrs& at, bool residual, int64_t dst_block) {
   Kernel k;
-  if (at.algorithm == 2 && WinogradMisfit(x, w, at, dst_block).empty()) {
-    const int64_t OH = x[2] + at.pad_l[0] + at.pad_r[0] - 2, OW = x[3] + at.pad_l[1] + at.pad_r[1] - 2;
-    k.wino = Wino{x[0], x[1], x[2], x[3], w[0], OH, OW, at.pad_l[0], at.pad_l[1], at.act, at.alpha, at.beta};
+  if (at.algorithm >= 2 && WinogradMisfit(x, w, at, dst_block).empty()) {
+    const int64_t OH = x[2] + at.pad_l[0] + at.pad_r[0] - w[2] + 1, OW = x[3] + at.pad_l[1] + at.pad_r[1] - w[3] + 1;
+    k.wino = Wino{FormOf(w[2], w[3], at.algorithm), x[0], x[1], x[2], x[3], w[0], OH, OW, at.pad_l[0], at.pad_l[1],
+                  at.act, at.alpha, at.beta};
     k.src_md = dnnl::memory::desc(x, dt::f32, tag::nChw8c);
     k.dst_md = dnnl::memory::desc({x[0], w[0], OH, OW}, dt::f32, tag::nChw8c);
     k.bias_md = dnnl::memory::desc({w[0]}, dt::f32, tag::x);
     k.weights_md = dnnl::memory::desc({k.wino->PackedFloats()}, dt::f32, tag::x);
     Hasher h;
-    for (int64_t v : {int64_t{0x57696e6f32783233}, k.wino->C, k.wino->K, kWinoPanel}) h.Add(v);
+    for (int64_t v : {int64_t{0x57696e6f32783233}, k.wino->C, k.wino->K, kWinoPanel, k.wino->form->mh, k.wino->form->mw,
+                      k.wino->form->ah, k.wino->form->aw})
+      h.Add(v);
     k.weights_id = h.h;
-    k.impl = kWinoImpl;
+    k.impl = k.wino->form->impl;
     return k;
   }
   Attrs direct = at;
-  if (direct.algorithm == 2) direct.algorithm = 0;
+  if (direct.algorithm >= 2) direct.algorithm = 0;
   k.pd = MakeDesc(x, w, direct, residual, dst_block);
   k.src_md = k.pd.src_desc();
   k.dst_md = k.pd.dst_desc();
@@ -807,7 +921,7 @@ Kernel MakeKernel(const dims& x, const dims& w, const Attrs& at, bool residual, 
 // out (k.weights_md's bytes) = the plain weights w [O, C/groups, kh, kw] in the kernel's layout
 void PackKernel(const Kernel& k, const dims& wdims, int64_t groups, const float* w, void* out) {
   if (k.wino) {
-    PackWinograd(*k.wino, w, static_cast<float*>(out));
+    k.wino->form->pack(*k.wino, w, static_cast<float*>(out));
     return;
   }
   Reorder(PlainWeights(wdims, groups), k.weights_md)(const_cast<float*>(w), out);

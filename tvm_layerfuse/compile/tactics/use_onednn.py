@@ -228,33 +228,47 @@ class UseOneDNNConv:
 
     def _algorithm(self, attrs: abi.ConvAttrs, kernel: str, x_shape, w_shape, *, residual: bool):
         """(attrs with the conv algorithm chosen, kernel, timing text) for this layer."""
-        if self.winograd == "never" or tuple(w_shape[2:]) != (3, 3) or attrs.strides != (1, 1):
+        shape = tuple(w_shape[2:])
+        if self.winograd == "never" or shape not in abi.OWN_WINOGRAD_KERNELS or attrs.strides != (1, 1):
             return attrs, kernel, ""
         if attrs.dilation != (1, 1) or attrs.groups != 1:
             return attrs, kernel, ""
         # timed in the layout the layer will most likely get (blocked where C and O allow it)
         oracle = current_oracle()
         width = oracle.block_width()
-        wino = attrs.replace(
-            algorithm=abi.CONV_ALGORITHMS["winograd"],
+        layout = dict(
             src_block=width if width and x_shape[1] % width == 0 else 0,
             dst_block=width if width and w_shape[0] % width == 0 else 0,
         )
-        wino_kernel = oracle.conv_kernel(x_shape, w_shape, wino, residual=residual)
-        if _kernel_refused(wino_kernel):
-            # oneDNN 2.6 has Winograd kernels for AVX-512 only: elsewhere the library's own, where the layer fits it
-            wino = wino.replace(algorithm=abi.CONV_ALGORITHMS["own_winograd"])
+        # oneDNN's Winograd (3x3; AVX-512 only in oneDNN 2.6), else the library's forms that fit
+        candidates = []
+        if shape == (3, 3):
+            wino = attrs.replace(algorithm=abi.CONV_ALGORITHMS["winograd"], **layout)
             wino_kernel = oracle.conv_kernel(x_shape, w_shape, wino, residual=residual)
-            if wino_kernel != abi.OWN_WINOGRAD_KERNEL:
-                if self.winograd == "always":  # asked for, not there: direct, and the reason recorded
-                    return attrs, kernel, NO_WINOGRAD
-                return attrs, kernel, ""
+            if not _kernel_refused(wino_kernel):
+                candidates.append((wino, wino_kernel))
+        if not candidates:
+            for algorithm in abi.OWN_WINOGRAD_KERNELS[shape]:
+                own = attrs.replace(algorithm=algorithm, **layout)
+                own_kernel = oracle.conv_kernel(x_shape, w_shape, own, residual=residual)
+                if abi.is_own_winograd(own_kernel):
+                    candidates.append((own, own_kernel))
+        if not candidates:
+            if self.winograd == "always":  # asked for, not there: direct, and the reason recorded
+                return attrs, kernel, NO_WINOGRAD
+            return attrs, kernel, ""
         if self.winograd == "always":
+            wino, wino_kernel = candidates[0]
             return attrs.replace(algorithm=wino.algorithm), wino_kernel, "winograd (always)"
-        key = (tuple(x_shape), tuple(w_shape), tuple(wino.values()), residual)
-        if key not in self.timings:
-            self.timings[key] = oracle.time_conv(x_shape, w_shape, wino.replace(algorithm=0), wino, residual=residual)
-        t_direct, t_wino = self.timings[key]
+        best = None  # (ms, attrs, kernel, direct ms)
+        for wino, wino_kernel in candidates:
+            key = (tuple(x_shape), tuple(w_shape), tuple(wino.values()), residual)
+            if key not in self.timings:
+                self.timings[key] = oracle.time_conv(x_shape, w_shape, wino.replace(algorithm=0), wino, residual=residual)
+            t_direct, t_wino = self.timings[key]
+            if best is None or t_wino < best[0]:
+                best = (t_wino, wino, wino_kernel, t_direct)
+        t_wino, wino, wino_kernel, t_direct = best
         timing = f"direct {t_direct:.3f} ms, winograd {t_wino:.3f} ms"
         if t_wino <= t_direct / WINOGRAD_GAIN:
             return attrs.replace(algorithm=wino.algorithm), wino_kernel, timing
