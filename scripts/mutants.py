@@ -13,6 +13,7 @@ REQUANT = T + "test_vta_requantization.py"
 NEAR = T + "test_activation_near_misses.py"
 CONCAT = T + "test_concat_offsets.py::"
 WINO = T + "test_winograd_choice.py"
+OWN_WINO = T + "test_tactics_winograd.py"
 
 MUTANTS = [
     # ------------------------------------------------------------------ BatchNorm folding
@@ -262,7 +263,7 @@ MUTANTS = [
         id="winograd-attr-not-set",
         area="Winograd choice",
         file="tvm_layerfuse/compile/tactics/use_onednn.py",
-        original="            return attrs.replace(algorithm=1), wino_kernel, timing",
+        original="            return attrs.replace(algorithm=wino.algorithm), wino_kernel, timing",
         replacement="            return attrs, wino_kernel, timing",
         tests=[WINO],
     ),
@@ -350,5 +351,30 @@ MUTANTS = [
         original="if diff > CHECK_RTOL * scale or not np.array_equal(np.isnan(a64), np.isnan(b64)):",
         replacement="if not np.array_equal(np.isnan(a64), np.isnan(b64)):",
         tests=[T + "test_exporters.py::test_folding_that_changes_results_is_an_error"],
+    ),
+    # ------------------------------------------------------------------ the library's Winograd kernels
+    dict(
+        id="winograd-residual-dropped",
+        area="Winograd kernels",
+        file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
+        original="if (residual) z = _mm256_add_ps(z, _mm256_loadu_ps(o));",
+        replacement="if (false) z = _mm256_add_ps(z, _mm256_loadu_ps(o));",
+        tests=[OWN_WINO],
+    ),
+    dict(
+        id="winograd-last-task-short",
+        area="Winograd kernels",
+        file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
+        original="const int64_t t0 = ch * kWinoTiles, rows = std::min(T, t0 + kWinoTiles) - t0;\n        s.form",
+        replacement="const int64_t t0 = ch * kWinoTiles, rows = std::min(T - 1, t0 + kWinoTiles) - t0;\n        s.form",
+        tests=[OWN_WINO],
+    ),
+    dict(
+        id="winograd-packed-position-swapped",
+        area="Winograd kernels",
+        file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
+        original="u[(((i * W::a + j) * P + k / kWinoPanel)",
+        replacement="u[(((j * H::a + i) * P + k / kWinoPanel)",
+        tests=[OWN_WINO],
     ),
 ]

@@ -6,7 +6,7 @@
     build_extension()         the extension .so, built once per source/oneDNN version
                               (tvm_ffi.cpp.build: tvm-ffi headers + oneDNN, -ldnnl)
     load()                    build + dlopen: registers layerfuse.onednn.* as global functions
-    implementation(...)       the oneDNN kernel a conv layer gets on this machine
+    implementation(...)       the kernel a conv layer gets on this machine
     time_conv(...)            a conv layer's time here under two attrs (the algorithm choice)
     pool_implementation(...)  the same for a pooling layer
     float_bits(v)             a float32's bits as an integer (how attrs carry alpha and beta)
@@ -256,7 +256,8 @@ layout_name = abi.layout_name
 
 
 def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool) -> str:
-    """The oneDNN kernel (``impl_info_str``) this conv layer gets on this machine."""
+    """The kernel this conv layer gets on this machine: oneDNN's ``impl_info_str``, or the name of
+    the library's own Winograd kernel (``abi.is_own_winograd``) for algorithms 2 and 3."""
     import tvm_ffi
 
     load()
