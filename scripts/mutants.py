@@ -365,8 +365,8 @@ MUTANTS = [
         id="winograd-last-task-short",
         area="Winograd kernels",
         file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
-        original="const int64_t t0 = ch * kWinoTiles, rows = std::min(T, t0 + kWinoTiles) - t0;\n        s.form",
-        replacement="const int64_t t0 = ch * kWinoTiles, rows = std::min(T - 1, t0 + kWinoTiles) - t0;\n        s.form",
+        original="const int64_t t0 = ch * rows, n = std::min(T, t0 + rows) - t0;\n        s.form",
+        replacement="const int64_t t0 = ch * rows, n = std::min(T - 1, t0 + rows) - t0;\n        s.form",
         tests=[OWN_WINO],
     ),
     dict(

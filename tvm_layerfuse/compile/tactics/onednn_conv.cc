@@ -342,6 +342,9 @@ struct OneThread {
   ~OneThread() { omp_set_num_threads(saved); }
 };
 
+// c rounded up to a multiple of block
+int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * block; }
+
 // Winograd. oneDNN 2.6 has Winograd kernels for AVX-512 only; on AVX2 a stride-1 conv may run
 // this library's Winograd kernel instead (algorithm 2: output tiles of 2 along each axis the
 // kernel spans, 3: 4x4 tiles, 3x3 only), chosen per layer by timing at compile time as
@@ -612,37 +615,42 @@ void WinoTask(const Wino& s, const float* v, int64_t ld, const float* u, const f
 }
 
 // y = conv(x, the weights packed in u) + bias [+ y], activated; x, y nChw8c. With enough tiles
-// for every thread (two tasks each at least), each task transforms its tiles' input and runs
-// every panel on them while their V is in cache; with few (small images), the input of all
-// tiles is transformed first, and tasks are (tiles, panel) pairs, so the panels spread too.
+// for every thread (two tasks each at least), the tiles are split into a multiple of the
+// thread count of equal tasks, and each task transforms its tiles' input and runs every panel
+// on them while their V is in cache. With few (small images), the input of all tiles is
+// transformed first, and tasks are (panel, tiles) pairs, panels outermost: each thread reads
+// only its own panels of U (the weights, the larger operand there).
 void RunWinograd(const Wino& s, const float* x, const float* u, const float* bias, bool residual, float* y) {
-  const int64_t T = s.T(), P = s.Panels(), X = s.Positions(), chunks = (T + kWinoTiles - 1) / kWinoTiles;
-  const bool by_chunk = chunks >= 2 * omp_get_max_threads();
-  const int64_t ld = by_chunk ? kWinoTiles * s.C : T * s.C;  // V: one chunk's per thread, or all of it
+  const int64_t T = s.T(), P = s.Panels(), X = s.Positions(), threads = omp_get_max_threads();
+  int64_t tasks = (T + kWinoTiles - 1) / kWinoTiles;
+  const bool by_chunk = tasks >= 2 * threads;
+  if (by_chunk) tasks = RoundUp(tasks, threads);
+  const int64_t rows = (T + tasks - 1) / tasks, chunks = (T + rows - 1) / rows;  // tiles per task (at most kWinoTiles)
+  const int64_t ld = by_chunk ? rows * s.C : T * s.C;  // V: one chunk's per thread, or all of it
   float* shared = by_chunk ? nullptr : static_cast<float*>(ScratchpadData(sizeof(float) * X * ld));
 #pragma omp parallel
   {
     thread_local std::vector<float> m, own;  // a task's products; by_chunk: its V
-    m.resize(X * kWinoTiles * kWinoPanel);
+    m.resize(X * rows * kWinoPanel);
     if (by_chunk) {
       own.resize(X * ld);
 #pragma omp for schedule(static)
       for (int64_t ch = 0; ch < chunks; ++ch) {
-        const int64_t t0 = ch * kWinoTiles, rows = std::min(T, t0 + kWinoTiles) - t0;
-        s.form->input(s, x, own.data(), t0, t0 + rows, ld);
-        for (int64_t p = 0; p < P; ++p) WinoTask(s, own.data(), ld, u, bias, residual, y, t0, rows, p, m.data());
+        const int64_t t0 = ch * rows, n = std::min(T, t0 + rows) - t0;
+        s.form->input(s, x, own.data(), t0, t0 + n, ld);
+        for (int64_t p = 0; p < P; ++p) WinoTask(s, own.data(), ld, u, bias, residual, y, t0, n, p, m.data());
       }
     } else {
 #pragma omp for schedule(static)
       for (int64_t ch = 0; ch < chunks; ++ch) {
-        const int64_t t0 = ch * kWinoTiles;
-        s.form->input(s, x, shared + t0 * s.C, t0, std::min(T, t0 + kWinoTiles), ld);
+        const int64_t t0 = ch * rows;
+        s.form->input(s, x, shared + t0 * s.C, t0, std::min(T, t0 + rows), ld);
       }  // (the barrier here: V is whole)
 #pragma omp for schedule(static) collapse(2)
-      for (int64_t ch = 0; ch < chunks; ++ch)
-        for (int64_t p = 0; p < P; ++p) {
-          const int64_t t0 = ch * kWinoTiles, rows = std::min(T, t0 + kWinoTiles) - t0;
-          WinoTask(s, shared + t0 * s.C, ld, u, bias, residual, y, t0, rows, p, m.data());
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          const int64_t t0 = ch * rows, n = std::min(T, t0 + rows) - t0;
+          WinoTask(s, shared + t0 * s.C, ld, u, bias, residual, y, t0, n, p, m.data());
         }
     }
   }
@@ -1051,8 +1059,6 @@ struct View {
   int64_t padded_c = 0;  // O rounded up to B where the tensor holds padded nChwBc, else 0
   int64_t numel() const { return shape[0] * (padded_c ? padded_c : shape[1]) * shape[2] * shape[3]; }
 };
-
-int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * block; }
 
 View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
 
