@@ -9,6 +9,10 @@ process with onnxruntime's answer."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,6 +69,7 @@ CASES = {
     "2x2_3x3-one-tile-row": (OWN, (3, 3), 1, 16, 32, 7, 7, (1, 1, 1, 1), "relu", 0.0, 0.0, False, 8, 8),  # half tiles
     "2x2_3x3-batch2-leaky-residual": (OWN, (3, 3), 2, 8, 24, 9, 6, (1, 1, 1, 1), "relu", 0.1, 0.0, True, 8, 8),  # K 24: half a panel
     "2x2_3x3-many-tasks": (OWN, (3, 3), 1, 64, 64, 30, 30, (1, 1, 1, 1), "none", 0.0, 0.0, True, 8, 8),  # 225 tiles: 5 tasks
+    "2x2_3x3-many-chunks": (OWN, (3, 3), 1, 16, 24, 44, 44, (1, 1, 1, 1), "relu", 0.0, 0.0, False, 8, 8),  # 484 tiles: 11-12 tasks
     "2x2_3x3-clip-unpadded-plain": (OWN, (3, 3), 1, 32, 40, 5, 11, (0, 0, 0, 0), "clip", -0.5, 0.75, False, 0, 0),
     "2x2_3x3-asymmetric-pads": (OWN, (3, 3), 2, 24, 16, 10, 10, (2, 1, 0, 2), "none", 0.0, 0.0, False, 8, 0),
     "2x2_3x3-plain-in-residual": (OWN, (3, 3), 1, 48, 32, 8, 8, (1, 1, 1, 1), "relu", 0.0, 0.0, True, 0, 8),
@@ -117,6 +122,22 @@ def test_the_library_winograd_matches_a_numpy_convolution(case):
     assert rel_err(run(packed, packed_attrs), _blocked(want, db).astype(np.float32)) <= RTOL
     with pytest.raises(Exception, match="packed at compile time"):  # the direct layout's identity: refused
         run(packed, packed_attrs.replace(packed=direct_id, layer=13))
+
+
+def test_the_library_winograd_splits_its_work_over_threads_alike():
+    """The cases above in a process with 3 OpenMP threads (the team size is fixed when a process
+    starts): tiles split into a multiple of the thread count, and (panel, tiles) tasks, give
+    the same answers."""
+    onednn.load()
+    _own_kernel_here()
+    test = f"{Path(__file__).resolve()}::test_the_library_winograd_matches_a_numpy_convolution"
+    env = {**os.environ, "OMP_NUM_THREADS": "3"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"{len(CASES)} passed" in proc.stdout, proc.stdout[-500:]
 
 
 def test_a_merged_conv_runs_each_piece_on_the_library_winograd():
