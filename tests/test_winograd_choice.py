@@ -49,24 +49,34 @@ def fused():
     return fuse_with_report(_model(), bind=True).mod
 
 
-@pytest.fixture
-def injected(monkeypatch):
-    """oneDNN answers as if it had a Winograd kernel; ``timings`` = (direct ms, Winograd ms)."""
+def _inject(monkeypatch, holder, kernel_for, timings_for):
+    """The library's answers replaced: ``kernel_for(attrs, real kernel)`` names the kernel,
+    ``timings_for(attrs_b)`` gives (direct ms, Winograd ms); each timing asked for is recorded
+    in ``holder.calls`` as (x shape, w shape, algorithm a, algorithm b)."""
     real = onednn.implementation
-    calls = []
+    holder.calls = []
 
     def implementation(x_shape, w_shape, attrs, *, residual):
-        kernel = real(x_shape, w_shape, attrs, residual=residual)
-        return INJECTED_KERNEL if kernel.startswith(("ref", "unsupported")) else kernel
+        return kernel_for(attrs, real(x_shape, w_shape, attrs, residual=residual))
 
     def time_conv(x_shape, w_shape, attrs_a, attrs_b, *, residual, reps=7):
-        calls.append((list(x_shape), list(w_shape)))
-        return injected.timings
+        holder.calls.append((list(x_shape), list(w_shape), attrs_a.algorithm, attrs_b.algorithm))
+        return timings_for(attrs_b)
 
     monkeypatch.setattr(onednn, "implementation", implementation)
     monkeypatch.setattr(onednn, "time_conv", time_conv)
-    injected.calls = calls
-    return injected
+    return holder
+
+
+@pytest.fixture
+def injected(monkeypatch):
+    """oneDNN answers as if it had a Winograd kernel; ``timings`` = (direct ms, Winograd ms)."""
+    return _inject(
+        monkeypatch,
+        injected,
+        lambda attrs, kernel: INJECTED_KERNEL if kernel.startswith(("ref", "unsupported")) else kernel,
+        lambda attrs: injected.timings,
+    )
 
 
 @pytest.mark.parametrize(
@@ -85,7 +95,7 @@ def test_winograd_is_kept_exactly_when_it_is_faster_by_the_gain(fused, injected,
     convs = [c for c in chooser.layers if c.tactic == "onednn" and not c.layer.startswith(("pool:", "dense:", "concat:"))]
     assert len(convs) == 2, chooser.layers
     three, one = sorted(convs, key=lambda c: c.shape.endswith("3, 3]"), reverse=True)
-    assert injected.calls == [([1, 8, 12, 12], [8, 8, 3, 3])]  # only the 3x3 conv is timed, once
+    assert [c[:2] for c in injected.calls] == [([1, 8, 12, 12], [8, 8, 3, 3])]  # only the 3x3 conv is timed, once
     assert three.timing == f"direct {direct_ms:.3f} ms, winograd {wino_ms:.3f} ms"
     assert (three.kernel == INJECTED_KERNEL) is winograd, three
     assert one.kernel != INJECTED_KERNEL and not one.timing, one
@@ -109,25 +119,14 @@ OWN_2x2, OWN_4x4 = "winograd_2x2_3x3" + abi.OWN_WINOGRAD_SUFFIX, "winograd_4x4_3
 def own_only(monkeypatch):
     """oneDNN answers as on AVX2 (no Winograd kernel) and both of the library's 3x3 forms fit;
     ``timings`` = {algorithm: (direct ms, Winograd ms)}."""
-    real = onednn.implementation
-    calls = []
     own = {abi.CONV_ALGORITHMS["own_winograd"]: OWN_2x2, abi.CONV_ALGORITHMS["own_winograd_4x4"]: OWN_4x4}
 
-    def implementation(x_shape, w_shape, attrs, *, residual):
+    def kernel_for(attrs, kernel):
         if attrs.algorithm == abi.CONV_ALGORITHMS["winograd"]:
             return "unsupported: no Winograd kernel here"
-        if attrs.algorithm in own:
-            return own[attrs.algorithm]
-        return real(x_shape, w_shape, attrs, residual=residual)
+        return own.get(attrs.algorithm, kernel)
 
-    def time_conv(x_shape, w_shape, attrs_a, attrs_b, *, residual, reps=7):
-        calls.append((attrs_a.algorithm, attrs_b.algorithm))
-        return own_only.timings[attrs_b.algorithm]
-
-    monkeypatch.setattr(onednn, "implementation", implementation)
-    monkeypatch.setattr(onednn, "time_conv", time_conv)
-    own_only.calls = calls
-    return own_only
+    return _inject(monkeypatch, own_only, kernel_for, lambda attrs: own_only.timings[attrs.algorithm])
 
 
 @pytest.mark.parametrize(
@@ -145,7 +144,7 @@ def test_without_a_onednn_winograd_kernel_the_fastest_library_form_is_kept_by_th
     own_only.timings = {2: (direct_ms, tile2_ms), 3: (direct_ms, tile4_ms)}
     chooser = UseOneDNNConv(winograd="timed")
     mod = chooser(fused)
-    assert own_only.calls == [(0, 2), (0, 3)]  # the 3x3 conv: direct against each of the library's forms
+    assert [c[2:] for c in own_only.calls] == [(0, 2), (0, 3)]  # the 3x3 conv: direct against each of the library's forms
     three = next(c for c in chooser.layers if c.shape.endswith("3, 3]"))
     assert three.kernel == {2: OWN_2x2, 3: OWN_4x4}.get(chosen, three.kernel) and abi.is_own_winograd(three.kernel) is bool(chosen)
     assert three.timing == f"direct {direct_ms:.3f} ms, winograd {min(tile2_ms, tile4_ms):.3f} ms"
