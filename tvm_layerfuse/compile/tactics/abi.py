@@ -51,6 +51,10 @@ ABI_VERSION = 6  # 1: the positional contract before this module; 2: concat_conv
 # 6: conv algorithms 2 and 3, the library's own Winograd kernels (AVX2)
 
 NAMESPACE = "layerfuse.onednn."
+BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
+DST_BLOCK_BITS = 5  # a conv's dst_block: output j's block width in bits [5j, 5j + 5)
+MAX_BLOCKED_OUTPUTS = 64 // DST_BLOCK_BITS - 1  # 11: outputs beyond stay plain
+
 # a conv's algorithm: oneDNN's direct kernels, oneDNN's Winograd (AVX-512 in oneDNN 2.6), or the
 # library's Winograd kernels (AVX2): output tiles of 2 along each axis its kernel spans (3x3,
 # 5x5, 1x7, 7x1, 1x3, 3x1) or of 4x4 (3x3). A layer they do not fit runs direct, and
@@ -64,9 +68,6 @@ OWN_WINOGRAD_KERNELS = {(3, 3): (2, 3), (5, 5): (2,), (1, 7): (2,), (7, 1): (2,)
 def is_own_winograd(kernel: str) -> bool:
     """Whether an ``implementation`` answer is one of the library's Winograd kernels."""
     return kernel.startswith("winograd_") and kernel.endswith(OWN_WINOGRAD_SUFFIX)
-BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
-DST_BLOCK_BITS = 5  # a conv's dst_block: output j's block width in bits [5j, 5j + 5)
-MAX_BLOCKED_OUTPUTS = 64 // DST_BLOCK_BITS - 1  # 11: outputs beyond stay plain
 
 
 def dst_block(widths: Sequence[int]) -> int:

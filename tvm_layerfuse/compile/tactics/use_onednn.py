@@ -52,16 +52,19 @@ The tactic is chosen per layer by a stated rule, without timing: ``onednn`` when
 is float32 NCHW/OIHW with a per-channel bias, no element-wise ``mul`` and no run-time clip
 bounds, and when oneDNN on this machine gives it an optimised kernel (``impl_info_str`` not
 ``ref:``); otherwise ``tvm`` (TVM's own kernel), with the reason. Within ``onednn`` the conv
-algorithm (``algorithm``: 0 direct, 1 Winograd) is chosen by timing, as TensorRT times its
-tactics: where oneDNN has a Winograd kernel for the layer (3x3, stride 1, no groups), both
-are timed on this machine at compile time (``layerfuse.onednn.time_conv``: the fastest of 7
-runs each, the two in turn, on one thread, so that other processes on the machine cannot
-decide the choice) and Winograd is kept when it is at least ``WINOGRAD_GAIN`` faster. Winograd computes
-the same convolution with fewer multiplies (F(4x4, 3x3): 36 instead of 144 per 4x4 output
-tile and channel pair); its rounding differs from the direct sum by about 1e-6 relative.
-``UseOneDNNConv(winograd="never")`` keeps every layer direct, ``"always"`` takes Winograd
-wherever oneDNN has it (tests) and records, where it has not (oneDNN 2.6 has Winograd
-kernels for AVX-512 only), why the layer stays direct (``timing``: ``NO_WINOGRAD``). ``pass.layers`` lists
+algorithm (``algorithm``: 0 direct, 1 oneDNN's Winograd, 2 / 3 the library's Winograd
+kernels, ``abi.CONV_ALGORITHMS``) is chosen by timing, as TensorRT times its tactics: where a
+Winograd kernel fits the layer (stride 1, no groups: oneDNN's for 3x3 where it has one, which
+oneDNN 2.6 has for AVX-512 only; else each of the library's forms for the kernel shape,
+``abi.OWN_WINOGRAD_KERNELS``, that ``implementation`` confirms here), each is timed against
+the direct conv on this machine at compile time (``layerfuse.onednn.time_conv``: the fastest
+of 7 runs each, the two in turn, on one thread, so that other processes on the machine cannot
+decide the choice) and the fastest Winograd is kept when it is at least ``WINOGRAD_GAIN``
+faster. Winograd computes the same convolution with fewer multiplies (F(4x4, 3x3): 36 instead
+of 144 per 4x4 output tile and channel pair); its rounding differs from the direct sum by
+about 1e-6 relative. ``UseOneDNNConv(winograd="never")`` keeps every layer direct,
+``"always"`` takes the first Winograd kernel that fits (tests) and records, where none does,
+why the layer stays direct (``timing``: ``NO_WINOGRAD``). ``pass.layers`` lists
 every choice ``{"layer", "tactic", "kernel" | "reason", "shape", "layout", "timing"}``: conv layers,
 pools (``pool:<var>``, tactic ``tvm``: :mod:`.tvm_pools`), the classifier (``dense:<var>``: ``x @ w + b`` as a
 oneDNN matmul) and concats (``concat:<var>``, tactic ``copy``, ``in-place``, or ``read by
