@@ -59,8 +59,10 @@ def _same_samples(a: onnx.ModelProto, seed: int) -> onnx.ModelProto:
     return b
 
 
-@pytest.fixture(scope="module")
-def two_artifacts(tmp_path_factory):
+@pytest.fixture(scope="module", params=["never", "always"], ids=["direct", "winograd"])
+def two_artifacts(tmp_path_factory, request):
+    """The two models compiled alike: direct convs, or (``--winograd always``) the 3x3 convs on
+    a Winograd kernel (the library's on AVX2)."""
     base = tmp_path_factory.mktemp("two")
     a = _net(seed=1)
     b = _same_samples(a, seed=2)
@@ -68,7 +70,12 @@ def two_artifacts(tmp_path_factory):
     for name, model in (("a", a), ("b", b)):
         path = base / f"{name}.onnx"
         onnx.save(model, str(path))
-        compile_model(path, base / name, tactics="onednn", winograd="never", progress=False)
+        compile_model(path, base / name, tactics="onednn", winograd=request.param, progress=False)
+        layers = json.loads((base / name / "manifest.json").read_text())["tactics"]["layers"]
+        three = [c["kernel"] for c in layers if c.get("shape", "").endswith(", 3, 3]")]
+        if request.param == "always" and not any("wino" in k for k in three):
+            pytest.skip(f"no Winograd kernel on this CPU: {three}")
+        assert len(three) == 2 and all(("wino" in k) is (request.param == "always") for k in three), three
         out.append((base / name, model))
     return out
 
