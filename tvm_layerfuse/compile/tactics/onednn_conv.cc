@@ -687,20 +687,18 @@ void RunWinograd(const Wino&, const float*, const float*, const float*, bool, fl
 }
 #endif
 
-// Why conv(x, w, at) does not fit the library's Winograd kernel ("" where it does).
-std::string WinogradMisfit(const dims& x, const dims& w, const Attrs& at, int64_t dst_block) {
+// Whether conv(x, w, at) fits the library's Winograd kernel (see Winograd above); where it does
+// not, the direct conv runs and `implementation` names that kernel.
+bool WinogradFits(const dims& x, const dims& w, const Attrs& at, int64_t dst_block) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return "the CPU has no AVX2 and FMA";
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return false;
 #endif
-  if (!FormOf(w[2], w[3], at.algorithm)) return "no Winograd form for its kernel";
-  if (x[1] != w[1]) return "its shapes do not agree";
-  if (x[2] + at.pad_l[0] + at.pad_r[0] < w[2] || x[3] + at.pad_l[1] + at.pad_r[1] < w[3]) return "its output is empty";
-  if (at.stride[0] != 1 || at.stride[1] != 1 || at.dilation[0] != 1 || at.dilation[1] != 1 || at.groups != 1)
-    return "strides, dilations or groups are not 1";
-  if (x[1] % kWinoBlock || w[0] % kWinoBlock) return "channels are not multiples of 8";
-  if ((at.src_block && at.src_block != kWinoBlock) || (dst_block && dst_block != kWinoBlock)) return "a 16-channel block";
-  if (at.act != kNone && at.act != kRelu && at.act != kClip) return "its activation is not none, relu or clip";
-  return "";
+  return FormOf(w[2], w[3], at.algorithm) && x[1] == w[1]                                  // a form, groups 1
+         && x[2] + at.pad_l[0] + at.pad_r[0] >= w[2] && x[3] + at.pad_l[1] + at.pad_r[1] >= w[3]  // an output
+         && at.stride[0] == 1 && at.stride[1] == 1 && at.dilation[0] == 1 && at.dilation[1] == 1 && at.groups == 1
+         && x[1] % kWinoBlock == 0 && w[0] % kWinoBlock == 0  // whole 8-channel blocks
+         && (!at.src_block || at.src_block == kWinoBlock) && (!dst_block || dst_block == kWinoBlock)
+         && (at.act == kNone || at.act == kRelu || at.act == kClip);
 }
 
 dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w, const Attrs& at, bool residual,
@@ -801,6 +799,18 @@ int64_t PackedId(const std::vector<uint64_t>& ids) {
   return PackedIdOf(h);
 }
 
+// What runs one conv layer (or one piece of a merged one): a oneDNN primitive, or - algorithms
+// 2 and 3, where the layer fits (WinogradFits) - this library's Winograd kernel; with the
+// layouts of its src, dst and weights, and its weights' identity (DescId, or the Winograd
+// packing's). MakeKernel makes it.
+struct Kernel {
+  std::optional<Wino> wino;
+  dnnl::convolution_forward::primitive_desc pd;  // oneDNN's (none for the Winograd kernel)
+  dnnl::memory::desc src_md, dst_md, bias_md, weights_md, scratchpad_md;
+  uint64_t weights_id = 0;
+  std::string impl;  // what `implementation` reports
+};
+
 // One conv layer (or one row range of a merged one): immutable once made, shared by every
 // thread that runs the layer. Its weights are the call's own tensor, used in place, when the
 // call's weights are packed (attrs' `packed`); else (plain OIHW weights: calls made by hand,
@@ -811,12 +821,9 @@ struct Layer {
   std::vector<int64_t> attrs;
   bool residual;
   int64_t dst_block;
-  std::optional<Wino> wino;        // this library's Winograd kernel runs it, else prim
-  dnnl::convolution_forward prim;
-  // the kernel's descs and output dims, queried once (each query copies a whole dnnl_memory_desc_t)
-  dnnl::memory::desc src_md, dst_md, bias_md, weights_md, scratchpad_md;
-  dims dst_dims;
-  uint64_t weights_id;   // Kernel::weights_id
+  Kernel kernel;                   // what runs it, its layouts and weights' identity
+  dnnl::convolution_forward prim;  // oneDNN's kernel (none where kernel.wino runs it)
+  dims dst_dims;                   // kernel.dst_md's, queried once
   size_t weights_size;   // its bytes
   bool packed;           // the weights are the call's (packed) tensor
   dnnl::memory weights;  // plain weights only: in weights_md, owned
@@ -884,20 +891,9 @@ struct Rows {
   dims wdims;
 };
 
-// What runs one conv layer (or one piece of a merged one): a oneDNN primitive, or - algorithm 2,
-// where the layer fits (WinogradMisfit) - this library's Winograd kernel; with the layouts of
-// its src, dst and weights, and its weights' identity (DescId, or the Winograd packing's).
-struct Kernel {
-  std::optional<Wino> wino;
-  dnnl::convolution_forward::primitive_desc pd;  // oneDNN's (none for the Winograd kernel)
-  dnnl::memory::desc src_md, dst_md, bias_md, weights_md, scratchpad_md;
-  uint64_t weights_id = 0;
-  std::string impl;  // what `implementation` reports
-};
-
 Kernel MakeKernel(const dims& x, const dims& w, const Attrs& at, bool residual, int64_t dst_block) {
   Kernel k;
-  if (at.algorithm >= 2 && WinogradMisfit(x, w, at, dst_block).empty()) {
+  if (at.algorithm >= 2 && WinogradFits(x, w, at, dst_block)) {
     const int64_t OH = x[2] + at.pad_l[0] + at.pad_r[0] - w[2] + 1, OW = x[3] + at.pad_l[1] + at.pad_r[1] - w[3] + 1;
     k.wino = Wino{FormOf(w[2], w[3], at.algorithm), x[0], x[1], x[2], x[3], w[0], OH, OW, at.pad_l[0], at.pad_l[1],
                   at.act, at.alpha, at.beta};
@@ -936,6 +932,21 @@ void PackKernel(const Kernel& k, const dims& wdims, int64_t groups, const float*
   Stream().wait();
 }
 
+// conv on the memories of args (src, weights, bias, dst; oneDNN's scratchpad where its kernel has
+// one) by kernel k on stream s: the library's Winograd kernel once what s has queued (a reorder
+// into src) is done, else the primitive prim (queued on s: the caller waits). residual: dst's
+// bytes are the residual, added before the activation (oneDNN's sum post-op).
+void RunKernel(const Kernel& k, const dnnl::convolution_forward& prim, const std::unordered_map<int, dnnl::memory>& args,
+               bool residual, dnnl::stream& s) {
+  if (!k.wino) {
+    prim.execute(s, args);
+    return;
+  }
+  s.wait();
+  auto data = [&args](int arg) { return static_cast<float*>(args.at(arg).get_data_handle()); };
+  RunWinograd(*k.wino, data(DNNL_ARG_SRC), data(DNNL_ARG_WEIGHTS), data(DNNL_ARG_BIAS), residual, data(DNNL_ARG_DST));
+}
+
 std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const Attrs& at, const std::vector<int64_t>& attrs,
                                        bool residual, int64_t dst_block, const std::vector<float>& fingerprint) {
   static std::atomic<uint64_t> serials{0};
@@ -946,25 +957,19 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   layer->attrs = attrs;
   layer->residual = residual;
   layer->dst_block = dst_block;
-  const Kernel k = MakeKernel(x, rows.wdims, at, residual, dst_block);
-  layer->wino = k.wino;
+  layer->kernel = MakeKernel(x, rows.wdims, at, residual, dst_block);
+  const Kernel& k = layer->kernel;
   if (!k.wino) layer->prim = dnnl::convolution_forward(k.pd);
-  layer->src_md = k.src_md;
-  layer->dst_md = k.dst_md;
-  layer->bias_md = k.bias_md;
-  layer->weights_md = k.weights_md;
-  layer->scratchpad_md = k.scratchpad_md;
-  layer->dst_dims = layer->dst_md.dims();
-  layer->weights_id = k.weights_id;
-  layer->weights_size = layer->weights_md.get_size();
+  layer->dst_dims = k.dst_md.dims();
+  layer->weights_size = k.weights_md.get_size();
   layer->packed = at.packed != 0;
   if (!layer->packed) {  // plain weights: once, into the layout the kernel takes
-    layer->weights = dnnl::memory(layer->weights_md, Engine());
+    layer->weights = dnnl::memory(k.weights_md, Engine());
     PackKernel(k, rows.wdims, at.groups, rows.w, layer->weights.get_data_handle());
     layer->fingerprint = fingerprint;
   }
   // plain activations: reorders into and out of the primitive's layout (buffers: per thread)
-  const dnnl::memory::desc &src_md = layer->src_md, &dst_md = layer->dst_md;
+  const dnnl::memory::desc &src_md = k.src_md, &dst_md = k.dst_md;
   layer->src_plain = dnnl::memory::desc(src_md.dims(), dt::f32, tag::nchw);
   layer->dst_plain = dnnl::memory::desc(dst_md.dims(), dt::f32, tag::nchw);
   layer->src_reorder = !at.src_block && src_md != layer->src_plain;
@@ -1036,15 +1041,15 @@ Buffers& ThreadBuffers(const Layer& layer) {
   if (it == buffers->end()) {
     Buffers b;
     const dnnl::engine& e = Engine();
-    if (layer.src_reorder) b.src = dnnl::memory(layer.src_md, e);
-    if (layer.dst_reorder) b.dst = dnnl::memory(layer.dst_md, e);
-    b.x = layer.src_reorder ? b.src : dnnl::memory(layer.src_md, e, nullptr);
-    b.out = layer.dst_reorder ? b.dst : dnnl::memory(layer.dst_md, e, nullptr);
-    b.bias = dnnl::memory(layer.bias_md, e, nullptr);
-    b.weights = layer.packed ? dnnl::memory(layer.weights_md, e, nullptr) : layer.weights;
+    if (layer.src_reorder) b.src = dnnl::memory(layer.kernel.src_md, e);
+    if (layer.dst_reorder) b.dst = dnnl::memory(layer.kernel.dst_md, e);
+    b.x = layer.src_reorder ? b.src : dnnl::memory(layer.kernel.src_md, e, nullptr);
+    b.out = layer.dst_reorder ? b.dst : dnnl::memory(layer.kernel.dst_md, e, nullptr);
+    b.bias = dnnl::memory(layer.kernel.bias_md, e, nullptr);
+    b.weights = layer.packed ? dnnl::memory(layer.kernel.weights_md, e, nullptr) : layer.weights;
     b.args = {{DNNL_ARG_SRC, b.x}, {DNNL_ARG_WEIGHTS, b.weights}, {DNNL_ARG_BIAS, b.bias}, {DNNL_ARG_DST, b.out}};
-    if (layer.scratchpad_md.get_size() > 0) {
-      b.scratch = dnnl::memory(layer.scratchpad_md, e, nullptr);
+    if (layer.kernel.scratchpad_md.get_size() > 0) {
+      b.scratch = dnnl::memory(layer.kernel.scratchpad_md, e, nullptr);
       b.args[DNNL_ARG_SCRATCHPAD] = b.scratch;
     }
     it = buffers->emplace(layer.serial, std::move(b)).first;
@@ -1084,15 +1089,8 @@ void RunRows(const float* x, const Layer& layer, const float* w, const float* b,
   buf.bias.set_data_handle(const_cast<float*>(b));
   // packed weights: the call's own tensor, wrapped where it lies (no copy)
   if (layer.packed) buf.weights.set_data_handle(const_cast<float*>(w));
-  if (layer.wino) {
-    if (layer.src_reorder) Stream().wait();
-    RunWinograd(*layer.wino, static_cast<const float*>(buf.x.get_data_handle()),
-                static_cast<const float*>(buf.weights.get_data_handle()), b, r != nullptr,
-                static_cast<float*>(buf.out.get_data_handle()));
-  } else {
-    if (buf.scratch) buf.scratch.set_data_handle(ScratchpadData(layer.scratchpad_md.get_size()));
-    layer.prim.execute(Stream(), buf.args);
-  }
+  if (buf.scratch) buf.scratch.set_data_handle(ScratchpadData(layer.kernel.scratchpad_md.get_size()));
+  RunKernel(layer.kernel, layer.prim, buf.args, r != nullptr, Stream());
   if (layer.dst_reorder) layer.dst_out(buf.dst.get_data_handle(), dst_ptr);
   Stream().wait();
 }
@@ -1305,7 +1303,7 @@ constexpr const char* kPackedElsewhere = "its weights were packed at compile tim
 void CheckPacked(const std::vector<std::shared_ptr<const Layer>>& layers, const Attrs& at, const TensorView& w) {
   Hasher h;  // PackedId of the layers' weights_id, without a vector
   size_t bytes = 0;
-  for (const auto& l : layers) h.Add(l->weights_id), bytes += l->weights_size;
+  for (const auto& l : layers) h.Add(l->kernel.weights_id), bytes += l->weights_size;
   const int64_t here = PackedIdOf(h);
   if (here != at.packed || bytes != sizeof(float) * static_cast<size_t>(w.numel()))
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: layer " << at.layer << ": " << kPackedElsewhere << " (identity " << at.packed
@@ -1840,7 +1838,6 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
       for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) * 1e-3f;
       return m;
     };
-    auto data = [](Timed& t, int arg) { return static_cast<float*>(t.args.at(arg).get_data_handle()); };
     std::vector<Timed> timed;
     for (const Shape* attrs : {&attrs_a, &attrs_b}) {
       const Attrs at = Attrs::From(*attrs);
@@ -1857,13 +1854,8 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
     for (int64_t k = -1; k < std::max<int64_t>(reps, 1); ++k) {  // one warm-up run each
       for (Timed& t : timed) {
         const auto t0 = std::chrono::steady_clock::now();
-        if (t.k.wino) {
-          RunWinograd(*t.k.wino, data(t, DNNL_ARG_SRC), data(t, DNNL_ARG_WEIGHTS), data(t, DNNL_ARG_BIAS), residual,
-                      data(t, DNNL_ARG_DST));
-        } else {
-          t.prim.execute(s, t.args);
-          s.wait();
-        }
+        RunKernel(t.k, t.prim, t.args, residual, s);
+        s.wait();
         const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (k >= 0) t.best = std::min(t.best, ms);
       }
