@@ -18,7 +18,10 @@ For each model (batch 1, float32, the ONNX file as given):
    turns: round 1 runs layerfuse, fusion-off, onnxruntime, OpenVINO, round 2 the same again,
    so that a change in the machine's load falls on every engine alike. Each process warms up,
    then times ``--runs`` single inferences; it reports their median. The table gives, per
-   engine, the median over the rounds.
+   engine, the median over the rounds. Every engine gets the same seeded input arrays, 64-byte
+   aligned (``runtime.aligned``): onnxruntime reads a NumPy input where it lies whatever its
+   alignment, layerfuse where it is so aligned (else it copies it first, about 0.1 ms at
+   224x224x3), OpenVINO copies it into its own tensor either way.
 
 The load average is printed before and after: a table measured beside other work (tests,
 fuzzing, tuning) is not a result. OpenVINO is optional (``pip install -e ".[bench]"``); without
@@ -44,9 +47,10 @@ ENGINES = ("layerfuse", "fusion-off", "onnxruntime", "openvino")
 def _feeds(path: str) -> dict:
     import onnx
 
+    from tvm_layerfuse.runtime import aligned
     from tvm_layerfuse.testing import random_inputs
 
-    return random_inputs(onnx.load(path, load_external_data=False), 0)
+    return {name: aligned(x) for name, x in random_inputs(onnx.load(path, load_external_data=False), 0).items()}
 
 
 def _time(run, runs: int) -> float:

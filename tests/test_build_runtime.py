@@ -322,3 +322,74 @@ def test_atomic_directory_commits_whole_or_leaves_nothing(tmp_path):
         (tmp / "b").write_text("2")
     assert committed == [True] and sorted(p.name for p in out.iterdir()) == ["b"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_aligned_inputs_are_read_in_place_and_never_written(tmp_path):
+    """An input that is C-contiguous, writable and 64-byte aligned is passed to the library
+    where it lies (no copy per inference); any other is copied first. Either way no kernel
+    writes into an input, on a net where one input is a conv's residual (the library's sum
+    post-op, which writes where the residual lies when the residual is a tensor of its own)
+    and a concat's piece (written into the block in place), and the answers are onnxruntime's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tvm_layerfuse.runtime import aligned
+
+    rng = np.random.default_rng(11)
+    c, shape = 16, [1, 16, 12, 12]
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) * 0.15).astype(np.float32), "w1"),
+        numpy_helper.from_array((rng.standard_normal(c) * 0.1).astype(np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((8, c, 1, 1)) * 0.3).astype(np.float32), "w2"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c1", "r"], ["s"]),
+        helper.make_node("Relu", ["s"], ["y1"]),
+        helper.make_node("Conv", ["x", "w2"], ["c2"]),
+        helper.make_node("Concat", ["r", "c2"], ["y2"], axis=1),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "inputs_read_in_place",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("x", "r")],
+        [
+            helper.make_tensor_value_info("y1", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, c + 8, 12, 12]),
+        ],
+        inits,
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    rt = load(compile_model(tmp_path / "m.onnx", tmp_path / "art", target="cpu", progress=False))
+
+    feeds = {n: aligned(rng.standard_normal(shape).astype(np.float32)) for n in ("x", "r")}
+    assert all(v.ctypes.data % 64 == 0 and v.flags.c_contiguous for v in feeds.values())
+
+    def shifted(a):  # the same values 16 bytes past a 64-byte boundary
+        raw = np.empty(a.nbytes + 64, np.uint8)
+        start = (-raw.ctypes.data % 64) + 16
+        out = raw[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+        out[...] = a
+        return out
+
+    def read_only(a):
+        out = aligned(a.copy())
+        out.flags.writeable = False
+        return out
+
+    def argument_data(values):
+        return [np.from_dlpack(t).ctypes.data for t in rt._arguments(values)[:2]]
+
+    assert argument_data(feeds) == [feeds["x"].ctypes.data, feeds["r"].ctypes.data]  # read where they lie
+    for make in (shifted, read_only):  # copied: not 64-byte aligned; DLPack exports no read-only array
+        values = {n: make(v) for n, v in feeds.items()}
+        assert not set(argument_data(values)) & {v.ctypes.data for v in values.values()}
+
+    kept = {n: v.copy() for n, v in feeds.items()}
+    expected = run_ort(model, kept)
+    assert all(np.abs(e).max() > 1e-2 for e in expected) and (expected[0] > 0).mean() > 0.2  # live outputs
+    for values in (feeds, {n: shifted(v) for n, v in feeds.items()}, {n: read_only(v) for n, v in feeds.items()}, feeds):
+        got = rt.run(values)
+        assert all(np.array_equal(values[n], kept[n]) for n in kept), "a kernel wrote into an input"
+        for name, e in zip(("y1", "y2"), expected):
+            assert rel_err(got[name], e) <= RTOL, name

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from . import artifact
-from .loader import Inputs, Runtime, check_inputs, check_target, parse_device, read_weights, this_machine
+from .loader import Inputs, Runtime, aligned, check_inputs, check_target, parse_device, read_weights, this_machine
 from .loader import load as _load_library
 
 
@@ -43,6 +43,7 @@ def load(path: Union[str, os.PathLike], *, device: Optional[str] = None):
 __all__ = [
     "Inputs",
     "Runtime",
+    "aligned",
     "check_inputs",
     "check_target",
     "load",

@@ -173,21 +173,32 @@ class Runtime:
         return slots
 
     def _arguments(self, inputs: Inputs) -> list[Any]:
-        """The arguments of ``main`` for ``inputs`` (checked against the manifest), copied into
-        this thread's input tensors: valid until this thread's next call."""
+        """The arguments of ``main`` for ``inputs`` (checked against the manifest): an array
+        that the host's kernels can read where it lies (:func:`wrap_in_place`) is passed as it
+        is; any other is copied into this thread's input tensor. Valid until this thread's next
+        call. No kernel writes into an input: the in-place calls write only into buffers that
+        a call of the same function made (``residuals_in_place``, ``InPlaceConcat``)."""
         values = check_inputs(self.inputs, inputs)
         slots = self._input_tensors()
+        args = []
         for (tensor, view), value in zip(slots, values):
             if view is not None:
+                wrapped = wrap_in_place(self._tvm, value)
+                if wrapped is not None:
+                    args.append(wrapped)
+                    continue
                 np.copyto(view, value, casting="no")
             else:
                 tensor.copyfrom(contiguous(value))
-        return [tensor for tensor, _ in slots] + self._params
+            args.append(tensor)
+        return args + self._params
 
     def run(self, inputs: Inputs) -> dict[str, np.ndarray]:
         """Run one inference; returns ``{output name: array}``. Safe to call from several
         threads at once, as onnxruntime's ``InferenceSession.run``: each thread runs its own
-        VirtualMachine over the one copy of the weights."""
+        VirtualMachine over the one copy of the weights. An input array that is C-contiguous,
+        writable and 64-byte aligned (:func:`aligned` makes one) is read where it lies, as
+        onnxruntime reads its inputs; any other is copied first. Nothing writes into it."""
         args = self._arguments(inputs)  # inputs checked against the manifest here
         try:
             result = self._main()(*args)
@@ -273,6 +284,42 @@ def check_inputs(specs: Sequence[dict[str, Any]], inputs: Inputs) -> list[np.nda
             )
         out.append(value)
     return out
+
+
+ALIGNMENT = 64  # bytes: the TVM runtime's tensor alignment, which its kernels may assume
+
+
+def aligned(a: np.ndarray) -> np.ndarray:
+    """``a`` as a C-contiguous array whose data starts at an :data:`ALIGNMENT`-byte boundary:
+    ``a`` itself where it is one, else a copy (the form :meth:`Runtime.run` reads in place)."""
+    a = np.asarray(a)
+    if a.flags.c_contiguous and a.ctypes.data % ALIGNMENT == 0:
+        return a
+    raw = np.empty(a.nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    out = raw[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def wrap_in_place(tvm, value: np.ndarray) -> Optional[Any]:
+    """A host tensor over ``value``'s own bytes (no copy) where the TVM runtime takes them:
+    C-contiguous, writable (DLPack exports no read-only array), not empty and
+    :data:`ALIGNMENT`-byte aligned (see :func:`aligned`); else None, and the caller copies.
+    Reading the input where it lies spares each inference a copy of it (at 224x224x3, about
+    0.1 ms of a 1.5 ms MobileNetV3-small inference at 2 threads: the copy's source is cold)."""
+    if not (
+        type(value) is np.ndarray
+        and value.size
+        and value.flags.c_contiguous
+        and value.flags.writeable
+        and value.ctypes.data % ALIGNMENT == 0
+    ):
+        return None
+    try:
+        return tvm.runtime.from_dlpack(value)
+    except (TypeError, BufferError, RuntimeError, ValueError):
+        return None
 
 
 def _host_view(tensor) -> Optional[np.ndarray]:
