@@ -844,3 +844,79 @@ def test_kernels_narrow_to_int32_only_where_every_buffer_fits():
     assert int64(small) and int64(big)
     assert not int64(int32_indices(small))
     assert int32_indices(big).same_as(big)
+
+
+def _scheduled_kernel(build, shape):
+    """The one TVM kernel of a Relax function ``build(x)`` over x of ``shape``, scheduled by
+    the rules for a 2-core AVX2 target: (rule, [(loop kind, extent)] of its block, compiled)."""
+    import tvm
+    from tvm import relax, s_tir, tirx
+
+    from tvm_layerfuse.compile.schedules import ApplySchedules
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            o = bb.emit_output(build(bb, x))
+        bb.emit_func_output(o)
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    tgt = tvm.target.Target({"kind": "llvm", "mcpu": "core-avx2", "num-cores": 2})
+    apply = ApplySchedules(tgt)
+    with tgt:
+        mod = apply(tvm.transform.Sequential(passes)(bb.get()))
+    (gv,) = [g for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+    sch = s_tir.Schedule(mod[gv])
+    (block,) = sch.get_child_blocks(sch.get_sblock("root", func_name="main"))
+    kinds = {tirx.ForKind.SERIAL: "serial", tirx.ForKind.PARALLEL: "parallel", tirx.ForKind.VECTORIZED: "vectorized"}
+    loops = [(kinds.get(sch.get(lp).kind, "other"), int(sch.get(lp).extent)) for lp in sch.get_loops(block)]
+    kernel = tvm.compile(tvm.IRModule({"main": mod[gv].with_attr("global_symbol", "main")}), target=tgt)
+    return apply.report.kernels[gv.name_hint].rule, loops, kernel
+
+
+def _run_kernel(kernel, data, out_shape):
+    import tvm
+
+    out = tvm.runtime.tensor(np.full(out_shape, np.nan, np.float32))
+    kernel["main"](tvm.runtime.tensor(data), out)
+    return out.numpy()
+
+
+def test_a_channel_shuffle_runs_whole_planes_per_task():
+    """ShuffleNetV2's channel shuffle (reshape, transpose, reshape) moves whole 28 x 28 planes:
+    the rule fuses the plane's two axes (contiguous in input and output) into one axis of 98
+    vectors, run as a serial loop under a parallel loop over the channels, not one parallel
+    iteration per 7 floats of a row (5x the time on one thread)."""
+    from tvm import relax
+
+    c, h, w = 116, 28, 28
+
+    def shuffle(bb, x):
+        r = bb.emit(relax.op.reshape(x, (1, 2, c // 2, h, w)))
+        t = bb.emit(relax.op.permute_dims(r, (0, 2, 1, 3, 4)))
+        return relax.op.reshape(t, (1, c, h, w))
+
+    rule, loops, kernel = _scheduled_kernel(shuffle, (1, c, h, w))
+    assert rule == "injective"
+    assert loops == [("parallel", c), ("serial", h * w // 8), ("vectorized", 8)], loops
+    data = np.random.default_rng(3).standard_normal((1, c, h, w)).astype(np.float32)
+    want = data.reshape(1, 2, c // 2, h, w).transpose(0, 2, 1, 3, 4).reshape(1, c, h, w)
+    np.testing.assert_array_equal(_run_kernel(kernel, data, (1, c, h, w)), want)
+
+
+def test_an_injective_kernel_without_outer_axes_splits_its_vectors_over_the_cores():
+    """A relu over one long contiguous row: no outer axis to run in parallel, so the vector
+    loop is split into 4 x cores parallel chunks of serial vectors. A transpose of the last two
+    axes reads across rows: those are not fused, and the result is still the transpose."""
+    from tvm import relax
+
+    rule, loops, kernel = _scheduled_kernel(lambda bb, x: relax.op.nn.relu(x), (1, 1 << 16))
+    assert rule == "injective"
+    assert loops == [("parallel", 8), ("serial", (1 << 16) // 8 // 8), ("vectorized", 8)], loops
+    data = np.random.default_rng(4).standard_normal((1, 1 << 16)).astype(np.float32)
+    np.testing.assert_array_equal(_run_kernel(kernel, data, (1, 1 << 16)), np.maximum(data, 0))
+
+    rule, loops, kernel = _scheduled_kernel(lambda bb, x: relax.op.permute_dims(x, (0, 1, 3, 2)), (1, 64, 24, 40))
+    assert rule == "injective" and loops[-1] == ("vectorized", 8) and ("parallel", 64 * 40) in loops[:1], loops
+    data = np.random.default_rng(5).standard_normal((1, 64, 24, 40)).astype(np.float32)
+    np.testing.assert_array_equal(_run_kernel(kernel, data, (1, 64, 40, 24)), data.transpose(0, 1, 3, 2))

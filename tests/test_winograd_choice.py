@@ -11,7 +11,7 @@ import pytest
 from tvm import relax
 
 from graphs import Net
-from tvm_layerfuse.compile.tactics import abi, onednn
+from tvm_layerfuse.compile.tactics import abi, onednn, oracle
 from tvm_layerfuse.compile.tactics.use_onednn import UseOneDNNConv
 from tvm_layerfuse.relax.pipeline import fuse_with_report
 
@@ -65,6 +65,7 @@ def _inject(monkeypatch, holder, kernel_for, timings_for):
 
     monkeypatch.setattr(onednn, "implementation", implementation)
     monkeypatch.setattr(onednn, "time_conv", time_conv)
+    monkeypatch.setattr(oracle, "_TIMINGS", {})  # the process's timing cache: empty for the injected answers
     return holder
 
 
@@ -100,6 +101,16 @@ def test_winograd_is_kept_exactly_when_it_is_faster_by_the_gain(fused, injected,
     assert (three.kernel == INJECTED_KERNEL) is winograd, three
     assert one.kernel != INJECTED_KERNEL and not one.timing, one
     assert sorted(_conv_algorithms(mod)) == ([0, 1] if winograd else [0, 0])
+
+
+def test_a_layer_shape_is_timed_once_per_process(fused, injected):
+    """The timing cache: a second compile of the same layers in the process makes the same
+    choice from the first one's timings, without timing the conv again."""
+    injected.timings = (2.0, 1.0)
+    first, second = UseOneDNNConv(winograd="timed"), UseOneDNNConv(winograd="timed")
+    assert sorted(_conv_algorithms(first(fused))) == sorted(_conv_algorithms(second(fused))) == [0, 1]
+    assert len(injected.calls) == 1
+    assert [c.timing for c in first.layers] == [c.timing for c in second.layers]
 
 
 @pytest.mark.parametrize("mode, winograd", [("never", False), ("always", True)])

@@ -5,9 +5,12 @@ inner loop.
 ::
 
     out[i_0 .. i_k] = f(in_j[g_j(i_0 .. i_k)])
-    -> parallel(fuse(i_0 .. i_k-1) . i_k/o) . vectorize(i_k/i)      (i_k/i: one vector)
-       an innermost axis shorter than half a vector (NCHW tensors of width 1 or 2):
-       parallel(fuse(i_0 .. i_k)/o) . vectorize(fuse(i_0 .. i_k)/i)
+    -> t = fuse(i_m .. i_k)     the innermost axes along which every in_j and out are contiguous,
+                                 as few as give several whole vectors (a plane H*W, not a row W)
+       parallel(fuse(i_0 .. i_m-1)) . serial(t/o) . vectorize(t/i)      (t/i: one vector)
+       fewer than 4 x cores outer chunks: parallel(fuse(i_0 .. i_m-1), t/o/o) . serial(t/o/i) . ...
+       an innermost axis shorter than half a vector (NCHW tensors of width 1 or 2) that cannot
+       be fused so: parallel(fuse(i_0 .. i_k)/o) . vectorize(fuse(i_0 .. i_k)/i)
 """
 
 from __future__ import annotations
