@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import Optional
 
@@ -183,16 +184,14 @@ def schedule_injective(sch: s_tir.Schedule, block, params: CPUParams) -> None:
         raise RuleRefused(f"block {sch.get(block).name_hint!r} is not injective ({kinds})")
     loops = list(sch.get_loops(block))
     ext = extents(sch, loops)
-    total = 1
-    for e in ext:
-        total *= e
+    total = math.prod(ext)
     if total <= 1:
         return
     tail = contiguous_tail(sch, block, loops)
     fused = 1
-    while fused < tail and (_prod(ext[-fused:]) % params.lanes or _prod(ext[-fused:]) < 4 * params.lanes):
+    while fused < tail and (math.prod(ext[-fused:]) % params.lanes or math.prod(ext[-fused:]) < 4 * params.lanes):
         fused += 1
-    inner_ext = _prod(ext[-fused:])
+    inner_ext = math.prod(ext[-fused:])
     if inner_ext >= max(params.lanes // 2, 2) or len(loops) == fused:
         inner = sch.fuse(*loops[-fused:]) if fused > 1 else loops[-1]
         outer, outer_ext = loops[:-fused], ext[:-fused]
@@ -204,11 +203,11 @@ def schedule_injective(sch: s_tir.Schedule, block, params: CPUParams) -> None:
         vo, vi = sch.split(inner, [None, vf])
     else:
         vo, vi = None, inner
-    chunks = _prod(outer_ext) if outer else 1
+    chunks = math.prod(outer_ext) if outer else 1
     want = 4 * max(params.cores, 1)
     if vo is not None and chunks < want:  # too few outer chunks: part of the vector loop goes parallel
         need = -(-want // chunks)
-        split = next((d for d in range(need, serial + 1) if serial % d == 0), serial)
+        split = next((d for d in range(need, min(serial, 8 * need) + 1) if serial % d == 0), serial)
         if split < serial:
             vpo, _ = sch.split(vo, [split, None])
             outer = outer + [vpo]
@@ -218,13 +217,6 @@ def schedule_injective(sch: s_tir.Schedule, block, params: CPUParams) -> None:
         parallelize(sch, sch.fuse(*outer) if len(outer) > 1 else outer[0], total)
     if vf >= 2:
         sch.vectorize(vi)
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out
 
 
 def contiguous_tail(sch: s_tir.Schedule, block, loops) -> int:
@@ -241,7 +233,7 @@ def contiguous_tail(sch: s_tir.Schedule, block, loops) -> int:
     n = 1
     while n < len(loops):
         tail = ivs[-(n + 1) :]
-        if any(iv is None or int(iv.dom.extent) != e for iv, e in zip(tail, ext[-(n + 1) :])):
+        if any(iv is None or not _is_int(iv.dom.extent, e) for iv, e in zip(tail, ext[-(n + 1) :])):
             break
         if not all(_contiguous_along(r, tail) for r in regions):
             break
@@ -264,9 +256,13 @@ def _contiguous_along(region, ivs) -> bool:
         return False
     shape = list(region.source.shape)[-k:]
     for r, iv, size in zip(dims[-k:], ivs, shape):
-        if not (r.min.same_as(iv.var) and int(r.extent) == 1 and isinstance(size, tirx.IntImm) and int(size) == int(iv.dom.extent)):
+        if not (r.min.same_as(iv.var) and _is_int(r.extent, 1) and _is_int(size, int(iv.dom.extent))):
             return False
     return True
+
+
+def _is_int(expr, value: int) -> bool:
+    return isinstance(expr, tirx.IntImm) and int(expr) == value
 
 
 def _sblock_realize():
