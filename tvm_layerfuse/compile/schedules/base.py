@@ -225,7 +225,9 @@ def contiguous_tail(sch: s_tir.Schedule, block, loops) -> int:
     are those loops' own iterators, in order, each over its buffer dimension's whole extent,
     or the access names none of them (a broadcast operand)."""
     stmt = sch.get(block)
-    realize = _sblock_realize()(sch, block)
+    from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
+
+    realize = get_sblockrealize(sch, block)
     by_loop = {v: iv for iv, v in zip(stmt.iter_vars, realize.iter_values) if isinstance(v, tirx.Var)}
     ivs = [by_loop.get(sch.get(lp).loop_var) for lp in loops]
     ext = extents(sch, loops)
@@ -263,10 +265,6 @@ def _contiguous_along(region, ivs) -> bool:
 
 def _is_int(expr, value: int) -> bool:
     return isinstance(expr, tirx.IntImm) and int(expr) == value
-
-
-def _sblock_realize():
-    return tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
 
 def tile_reduction(
