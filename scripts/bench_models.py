@@ -3,6 +3,9 @@
 Usage: python scripts/bench_models.py MODEL.onnx [MODEL.onnx ...] [--threads 2 1] [--rounds 3]
                                       [--runs 30] [--work DIR] [--no-fusion-off] [--tactics tvm]
 
+The bench's twelve torchvision networks, with seeded live weights, come from
+``python scripts/export_torchvision.py models/`` (needs torch and torchvision).
+
 For each model (batch 1, float32, the ONNX file as given):
 
 1. ``compile`` it with the defaults (fusion and the tactic choice; ``--tactics tvm``: TVM's
