@@ -241,6 +241,16 @@ MUTANTS = [
         replacement="_CONST_TOL = 0.1",
         tests=[NEAR],
     ),
+    # ------------------------------------------------------------------ packed weights and thread counts
+    dict(
+        id="packed-layout-thread-probe-blind",
+        area="packed weights",
+        why="a layout oneDNN picks by the thread count packed anyway: refused at another count",
+        file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
+        original="    if (layout_id() != here) return n;",
+        replacement="    if (layout_id() != here) return 0;",
+        tests=[T + "test_tactics_prepack.py::test_an_artifact_runs_at_any_thread_count"],
+    ),
     # ------------------------------------------------------------------ Winograd choice
     dict(
         id="winograd-inverted",

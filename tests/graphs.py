@@ -211,9 +211,10 @@ def compile_and_compare(model: onnx.ModelProto, *, seed: int = 1):
     return result, kernels, kernel_count(plain_ex)
 
 
-def run_runtime_only(artifact, feeds: dict[str, np.ndarray], tmp_path) -> dict[str, np.ndarray]:
+def run_runtime_only(artifact, feeds: dict[str, np.ndarray], tmp_path, *, env: Optional[dict] = None) -> dict[str, np.ndarray]:
     """The artifact's outputs for ``feeds``, computed in a fresh process with the TVM runtime
-    only (``TVM_USE_RUNTIME_LIB=1``); that process also checks that no ``tvm.relax`` was loaded."""
+    only (``TVM_USE_RUNTIME_LIB=1``; ``env``: more variables for it); that process also checks
+    that no ``tvm.relax`` was loaded."""
     import os
     import subprocess
     import sys
@@ -227,7 +228,7 @@ def run_runtime_only(artifact, feeds: dict[str, np.ndarray], tmp_path) -> dict[s
         f"np.savez({str(tmp_path / 'y.npz')!r}, **y)\n"
         "assert 'tvm.relax' not in sys.modules\n"
     )
-    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with np.load(tmp_path / "y.npz") as y:

@@ -193,6 +193,8 @@ def test_a_model_compiled_with_the_library_winograd_runs_runtime_only(tmp_path):
 
     onednn.load()
     _own_kernel_here()
+    if onednn.block_width() != 8:  # AVX-512: the model is nChw16c and oneDNN has Winograd kernels of its own
+        pytest.skip(f"the library's Winograd kernels serve nChw8c models; this CPU's layout is nChw{onednn.block_width()}c")
     net = Net(seed=41)
     x = net.input("x", (1, 8, 20, 20))
     a = net.relu(net.conv(x, 16, name="c1"))

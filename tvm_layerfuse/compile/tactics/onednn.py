@@ -297,22 +297,43 @@ def pool_implementation(x_shape: Sequence[int], out_shape: Sequence[int], attrs:
     return str(f(*[tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, out_shape, _values(attrs))]))
 
 
+class LayoutVaries(ValueError):
+    """A call's weights layout depends on the thread count its kernels are made for, so its
+    weights cannot be packed once for every thread count (the library's ``ThreadSteady``)."""
+
+    def __init__(self, threads: int) -> None:
+        counted = f"{threads} thread{'s' if threads != 1 else ''}"
+        super().__init__(f"oneDNN picks its weights layout by the thread count (another one at {counted})")
+        self.threads = threads
+
+
+def _layout(found, *, steady: bool) -> tuple[int, int]:
+    """(identity, bytes) of the library's ``[identity, bytes, varies]``; ``steady``:
+    :class:`LayoutVaries` where ``varies`` names a thread count with another layout."""
+    identity, nbytes, varies = (int(v) for v in found)
+    if steady and varies:
+        raise LayoutVaries(varies)
+    return identity, nbytes
+
+
 def pack_weights(
-    x_shape: Sequence[int], weight, attrs, *, prologue: bool, residual: bool, out_channels: Sequence[int]
+    x_shape: Sequence[int], weight, attrs, *, prologue: bool, residual: bool, out_channels: Sequence[int], steady: bool = False
 ) -> tuple[int, np.ndarray]:
     """``weight`` (plain ``[O, C/groups, kh, kw]``) packed for the conv call with input dims
     ``x_shape`` (a prologue's pieces: their concatenation's), ``attrs`` (plain weights) and
     outputs of ``out_channels`` channels each, as this machine's oneDNN lays it out for that
     call: (the layout's identity for :attr:`.abi.ConvAttrs.packed`, the packed bytes as 1-d
-    float32). The library builds each piece's primitive exactly as the call will."""
+    float32). The library builds each piece's primitive exactly as the call will.
+    ``steady``: :class:`LayoutVaries` where that layout is not the same at every thread count
+    from 1 to the library's probe (64) and this process's."""
     import tvm
     import tvm_ffi
 
     load()
     shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, weight.shape, _values(attrs), out_channels)]
-    identity, nbytes = tvm_ffi.get_global_func("layerfuse.onednn.packed_layout")(
-        shapes[0], bool(prologue), shapes[1], shapes[2], bool(residual), shapes[3]
-    )
+    layout = tvm_ffi.get_global_func("layerfuse.onednn.packed_layout")
+    found = layout(shapes[0], bool(prologue), shapes[1], shapes[2], bool(residual), shapes[3])
+    identity, nbytes = _layout(found, steady=steady)
     out = tvm.runtime.empty((int(nbytes) // 4,), "float32", tvm.cpu())
     w = tvm.runtime.tensor(np.ascontiguousarray(weight, dtype=np.float32))
     tvm_ffi.get_global_func("layerfuse.onednn.pack_weights")(
@@ -321,17 +342,18 @@ def pack_weights(
     return int(identity), out.numpy()
 
 
-def pack_dense_weights(n: int, weight) -> tuple[int, np.ndarray]:
+def pack_dense_weights(n: int, weight, *, steady: bool = False) -> tuple[int, np.ndarray]:
     """``weight`` (plain ``[K, M]``) packed for ``dense`` with an input of ``n`` rows, as this
     machine's oneDNN matmul lays it out: (the layout's identity for
-    :attr:`.abi.DenseAttrs.packed`, the packed bytes as 1-d float32)."""
+    :attr:`.abi.DenseAttrs.packed`, the packed bytes as 1-d float32); ``steady`` as for
+    :func:`pack_weights`."""
     import tvm
     import tvm_ffi
 
     load()
     k, m = (int(d) for d in weight.shape)
     nkm = tvm_ffi.Shape([int(n), k, m])
-    identity, nbytes = tvm_ffi.get_global_func("layerfuse.onednn.dense_packed_layout")(nkm)
+    identity, nbytes = _layout(tvm_ffi.get_global_func("layerfuse.onednn.dense_packed_layout")(nkm), steady=steady)
     out = tvm.runtime.empty((int(nbytes) // 4,), "float32", tvm.cpu())
     w = tvm.runtime.tensor(np.ascontiguousarray(weight, dtype=np.float32))
     tvm_ffi.get_global_func("layerfuse.onednn.dense_pack_weights")(nkm, w, out)

@@ -59,16 +59,21 @@
 // A call makes (once, then kept per layer id, piece and shapes) its primitives, checks that
 // the identity of their weights layouts (DescId: the fields of each dnnl_memory_desc_t) and
 // their size are the recorded ones, and runs on the tensor where it lies: no copy of the
-// weights, nothing kept per weight address. Another layout here (another CPU ISA) is refused
-// in one line (CheckPacked), never run on bytes it would misread.
+// weights, nothing kept per weight address. Another layout here (another CPU ISA, or a
+// thread count whose kernel reads another layout) is refused in one line (CheckPacked), never
+// run on bytes it would misread; the compiler packs only calls whose layout is the same for
+// every thread count from 1 to kThreadProbe (packed_layout's `varies`), and a kernel on packed
+// weights is made for at most kThreadProbe threads (ProbedThreads), so a model runs with any
+// thread count.
 // Plain weights (w [O, C/groups, kh, kw]: calls made by hand, the compiler's timings) are
 // still taken: a primitive is made per (shapes, attributes, weight tensor) and kept with its
 // weights reordered once into its layout; a fingerprint of the weight tensor (a few sampled
 // values) is compared on every call, so new weights at the same address are reordered again.
 //
 //   layerfuse.onednn.packed_layout(x_shape, prologue, w_shape, attrs, residual, out_channels)
-//       -> [identity, bytes]: the packed weights of that call (attrs with packed 0; x_shape:
-//       the conv's input, a prologue's pieces concatenated; out_channels: each output's)
+//       -> [identity, bytes, varies]: the packed weights of that call (attrs with packed 0;
+//       x_shape: the conv's input, a prologue's pieces concatenated; out_channels: each
+//       output's); varies: 0, or a thread count whose kernels read another layout (ThreadSteady)
 //   layerfuse.onednn.pack_weights(x_shape, prologue, w, attrs, residual, out_channels, out)
 //       out (1-d float32 of those bytes) = w packed
 //
@@ -82,7 +87,7 @@
 //   layerfuse.onednn.dense       (x, w, b, attrs, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
 //       attrs: enum DenseField (abi.DenseAttrs: packed, K, M): packed 0, w plain [K, M]; else w
 //       comes packed (1-d) in the layout of the identity `packed`, as a conv's (see Weights)
-//   layerfuse.onednn.dense_packed_layout((N, K, M)) -> [identity, bytes]
+//   layerfuse.onednn.dense_packed_layout((N, K, M)) -> [identity, bytes, varies]
 //   layerfuse.onednn.dense_pack_weights((N, K, M), w, out)   out = w [K, M] packed
 //   layerfuse.onednn.pool2d      (x, attrs, out)
 //       attrs: enum PoolField (abi.PoolAttrs: alg, kernel, strides, paddings, block); alg: 0 max,
@@ -334,13 +339,43 @@ struct Reorder {
 
 dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
 
-// One OpenMP thread for the calling thread while this lives (restored however the scope ends):
-// a oneDNN kernel made meanwhile fixes one thread as its thread count.
-struct OneThread {
+// `n` OpenMP threads for the calling thread while this lives (restored however the scope
+// ends): a oneDNN kernel made meanwhile fixes n as its thread count.
+struct Threads {
   int saved = omp_get_max_threads();
-  OneThread() { omp_set_num_threads(1); }
-  ~OneThread() { omp_set_num_threads(saved); }
+  explicit Threads(int n) { omp_set_num_threads(n); }
+  ~Threads() { omp_set_num_threads(saved); }
 };
+struct OneThread : Threads {
+  OneThread() : Threads(1) {}
+};
+
+// The thread counts over which a packed weights layout must hold (ThreadSteady): oneDNN 2.6
+// picks a kernel's weights layout by the thread count it is made for (its Winograd
+// blocking, 1x1 kernels' loop order, Winograd 2x3 or 4x3), so weights packed at one count
+// may not be the layout another count's kernel reads.
+constexpr int kThreadProbe = 64;
+
+// A kernel that reads packed weights is made for at most kThreadProbe threads, the counts
+// over which the compiler found their layout steady: with more it runs on kThreadProbe.
+struct ProbedThreads {
+  std::optional<Threads> t;
+  explicit ProbedThreads(bool packed) {
+    if (packed && omp_get_max_threads() > kThreadProbe) t.emplace(kThreadProbe);
+  }
+};
+
+// 0 when `layout_id(n threads)` is the same for every n in 1..kThreadProbe and the calling
+// thread's count; else the first count whose id differs from the calling thread's.
+template <typename F>
+int64_t ThreadSteady(F layout_id) {
+  const uint64_t here = layout_id();
+  for (int n = 1; n <= kThreadProbe; ++n) {
+    Threads t(n);
+    if (layout_id() != here) return n;
+  }
+  return 0;
+}
 
 // c rounded up to a multiple of block
 int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * block; }
@@ -1008,6 +1043,7 @@ std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& a
     }
   }
   const std::vector<int64_t> values(attrs.begin(), attrs.end());
+  const ProbedThreads threads(packed);
   auto layer = MakeLayer(x, rows, at, values, residual, dst_block, fingerprint);  // no lock held while it is made
   std::unique_lock<std::shared_mutex> lock(CacheMutex());
   Layers()[key] = layer;
@@ -1309,7 +1345,8 @@ void CheckPacked(const std::vector<std::shared_ptr<const Layer>>& layers, const 
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn: layer " << at.layer << ": " << kPackedElsewhere << " (identity " << at.packed
                               << ", " << sizeof(float) * w.numel() << " bytes) that oneDNN " << dnnl_version()->major << '.'
                               << dnnl_version()->minor << " does not pick on this CPU (identity " << here << ", " << bytes
-                              << " bytes): compile it on this machine";
+                              << " bytes, for " << omp_get_max_threads()
+                              << " threads): compile it on this machine";
 }
 
 // The conv of one call: the input (its prologue first), w, b [, r] into the views outs. w: plain
@@ -1373,11 +1410,16 @@ Packing PlanPacking(const Shape& x, bool prologue, const Shape& w, const Shape& 
 
 tvm::ffi::Array<int64_t> PackedLayout(Shape x, bool prologue, Shape w, Shape attrs, bool residual, Shape out_channels) {
   try {
-    const Packing p = PlanPacking(x, prologue, w, attrs, residual, out_channels);
-    std::vector<uint64_t> ids;
-    int64_t bytes = 0;
-    for (const Kernel& k : p.kernels) ids.push_back(k.weights_id), bytes += k.weights_md.get_size();
-    return tvm::ffi::Array<int64_t>{PackedId(ids), bytes};
+    auto ids_bytes = [&] {
+      const Packing p = PlanPacking(x, prologue, w, attrs, residual, out_channels);
+      std::vector<uint64_t> ids;
+      int64_t bytes = 0;
+      for (const Kernel& k : p.kernels) ids.push_back(k.weights_id), bytes += k.weights_md.get_size();
+      return std::make_pair(PackedId(ids), bytes);
+    };
+    const auto [id, bytes] = ids_bytes();
+    const int64_t varies = ThreadSteady([&] { return static_cast<uint64_t>(ids_bytes().first); });
+    return tvm::ffi::Array<int64_t>{id, bytes, varies};
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }
@@ -1661,6 +1703,7 @@ void Dense(TensorView x, TensorView w, TensorView b, Shape attrs, TensorView out
     if (!p) {  // made without the lock held; plain weights reordered once into the primitive's layout
       auto made = std::make_shared<DensePrim>();
       made->N = N, made->K = K, made->M = M;
+      const ProbedThreads threads(packed);
       made->pd = DenseDesc(N, K, M);
       made->prim = dnnl::matmul(made->pd);
       made->packed_id = PackedId({DescId(made->pd.weights_desc())});
@@ -1699,7 +1742,8 @@ tvm::ffi::Array<int64_t> DensePackedLayout(Shape nkm) {
   if (nkm.size() != 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: (N, K, M) expected";
   try {
     const dnnl::memory::desc md = DenseDesc(nkm[0], nkm[1], nkm[2]).weights_desc();
-    return tvm::ffi::Array<int64_t>{PackedId({DescId(md)}), static_cast<int64_t>(md.get_size())};
+    const int64_t varies = ThreadSteady([&] { return DescId(DenseDesc(nkm[0], nkm[1], nkm[2]).weights_desc()); });
+    return tvm::ffi::Array<int64_t>{PackedId({DescId(md)}), static_cast<int64_t>(md.get_size()), varies};
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
   }

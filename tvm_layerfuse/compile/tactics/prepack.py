@@ -16,13 +16,18 @@ the call will::
 (a merged conv's pieces are its output row ranges, each its own primitive). At run time the
 library builds the primitive, checks the identity and the size, and uses ``W'`` where it lies:
 the module's weights are its only copy. A machine whose oneDNN picks another layout (another
-CPU ISA) refuses the call in one line (``onednn_conv.cc``, ``CheckPacked``).
+CPU ISA) refuses the call in one line (``onednn_conv.cc``, ``CheckPacked``). oneDNN 2.6 picks
+some layouts by the thread count a kernel is made for (AVX-512 Winograd blockings, the loop
+order of 1x1 kernels, Winograd 2x3 or 4x3), so a call is packed only where its layout is the
+same for every thread count from 1 to 64; the others keep their weights plain, with the
+thread count that lays them out otherwise as the reason, and run at any thread count.
 
 Packed: ``conv2d``, ``conv2d_add``, ``conv2d_pre``, the members of ``concat_convs``, the
 residual convs in place (``call_tir_inplace`` of a TIR wrapper, which is rebuilt for the new
 weight type and attrs) and ``dense`` (the classifier: its matmul's weights layout, the
 identity in :class:`.abi.DenseAttrs`). Kept plain, with the reason in the report: a weight
-that is no parameter of ``main`` (a constant) or that another expression reads too; the
+that is no parameter of ``main`` (a constant) or that another expression reads too, or whose
+layout depends on the thread count; the
 library then keeps one reordered copy of it, as it does for calls made by hand.
 """
 
@@ -182,7 +187,11 @@ class _Packer:
             self.report.kept.append((name, why))
             return None
         value = np.asarray(self.values[bound.args.weight], dtype=np.float32)
-        identity, packed = onednn.pack_dense_weights(x[0], value)
+        try:
+            identity, packed = onednn.pack_dense_weights(x[0], value, steady=True)
+        except onednn.LayoutVaries as e:
+            self.report.kept.append((name, str(e)))
+            return None
         new = self._packed(name, bound, value, identity, packed)
         k, m = value.shape
         return bound.replace(weight=new, attrs=abi.DenseAttrs(packed=identity, k=k, m=m))
@@ -199,10 +208,14 @@ class _Packer:
         value = np.asarray(self.values[w], dtype=np.float32)
         pieces = [static_shape(x) for x in bound.args.inputs]
         x_shape = (pieces[0][0], sum(p[1] for p in pieces), pieces[0][2], pieces[0][3])
-        identity, packed = onednn.pack_weights(
-            x_shape, value, bound.attrs, prologue=bound.call is abi.CONV2D_PRE,
-            residual=bound.args.residual is not None, out_channels=out_channels,
-        )
+        try:
+            identity, packed = onednn.pack_weights(
+                x_shape, value, bound.attrs, prologue=bound.call is abi.CONV2D_PRE,
+                residual=bound.args.residual is not None, out_channels=out_channels, steady=True,
+            )
+        except onednn.LayoutVaries as e:
+            self.report.kept.append((name, str(e)))
+            return None
         new = self._packed(name, bound, value, identity, packed)
         return bound.replace(weight=new, attrs=bound.attrs.packed_as(identity, value.shape))
 
