@@ -750,29 +750,31 @@ def test_blocked_graph_transforms_only_at_its_edges(tmp_path):
     assert _rel_err(ref, got) <= RTOL and float(np.abs(ref).max()) > 0
 
 
-def _dense_block(seed: int = 5) -> onnx.ModelProto:
+def _dense_block(seed: int = 5, *, growth: int = 8) -> onnx.ModelProto:
     """DenseNet's pattern at small size: a stem, two dense layers (BatchNorm + ReLU before a
     1x1 conv, whose own BatchNorm + ReLU fold into it, then a 3x3 conv) whose outputs grow one
     concat, a transition (BatchNorm + ReLU before a 1x1 conv, then an average pool) and a
-    pre-activation 3x3 conv with padding (ResNet-v2's form)."""
+    pre-activation 3x3 conv with padding (ResNet-v2's form). Every channel count a multiple
+    of ``growth`` (a block width: each tensor whole blocks)."""
     b = NetBuilder("dense_blocked", seed=seed)
     x = b.input("x", (1, 8, 12, 12))
-    stem = b.relu(b.conv(x, 16, 3, pad=1))
+    stem = b.relu(b.conv(x, 2 * growth, 3, pad=1))
     features = [stem]
     for _ in range(2):
         cat = b.concat(features) if len(features) > 1 else features[0]
-        mid = b.relu(b.batchnorm(b.conv(b.relu(b.batchnorm(cat)), 32, 1, bias=False)))
-        features.append(b.conv(mid, 8, 3, pad=1, bias=False))
-    cat = b.concat(features)  # 32 channels
-    trans = b.avgpool(b.conv(b.relu(b.batchnorm(cat)), 16, 1, bias=False), 2, 2)
-    pre = b.conv(b.relu(b.batchnorm(trans)), 16, 3, pad=1)
+        mid = b.relu(b.batchnorm(b.conv(b.relu(b.batchnorm(cat)), 4 * growth, 1, bias=False)))
+        features.append(b.conv(mid, growth, 3, pad=1, bias=False))
+    cat = b.concat(features)  # 4 * growth channels
+    trans = b.avgpool(b.conv(b.relu(b.batchnorm(cat)), 2 * growth, 1, bias=False), 2, 2)
+    pre = b.conv(b.relu(b.batchnorm(trans)), 2 * growth, 3, pad=1)
     pooled = b.avgpool(b.maxpool(pre, 3, 1, 1), 3, 1, 1, count_include_pad=False)  # padded blocked pools
     return b.build([b.global_avgpool(b.add(pooled, pre))])
 
 
 def test_prologue_groups_run_blocked(tmp_path):
     """On the TVM path a BatchNorm + ReLU prologue group keeps its prologue and runs blocked:
-    every conv is NCHW8c, each prologue group's input is a blocked tensor, the normalisation
+    every conv is NCHW[x]c (x: this CPU's lanes, the model's channels whole blocks of them),
+    each prologue group's input is a blocked tensor, the normalisation
     goes into the padding stage of a padded conv and stays one pass before an unpadded one
     (never inside the multiply-adds), the concats stay in place, and the numbers (padded
     blocked pools included) match onnxruntime."""
@@ -785,9 +787,10 @@ def test_prologue_groups_run_blocked(tmp_path):
     from tvm_layerfuse.lowering import layerfuse_pipeline
     from tvm_layerfuse.planner import plan as make_plan
     from tvm_layerfuse.relax._ir import tvm_compile
+    from tvm_layerfuse.compile.schedules import CPUParams
     from tvm_layerfuse.relax.fuse_prologue import PROLOGUE_PREFIX
 
-    model = _dense_block()
+    model = _dense_block(growth=CPUParams.of(resolve("cpu").tvm_target()).lanes)
     onnx.save(model, tmp_path / "m.onnx")
     mod, params, _ = relax_module(tmp_path / "m.onnx", plan=make_plan(tmp_path / "m.onnx"), fuse=True)
 

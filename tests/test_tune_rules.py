@@ -21,9 +21,14 @@ from tvm_layerfuse.testing._builder import NetBuilder
 
 
 def _one_conv() -> onnx.ModelProto:
+    """One conv of as many channels as this CPU has fp32 lanes: it runs blocked (NCHW[x]c),
+    so the module has layout transforms beside it to tune."""
+    from tvm_layerfuse.compile.schedules import CPUParams
+
+    lanes = CPUParams.of(resolve("cpu").tvm_target()).lanes
     b = NetBuilder("tune_rules", seed=11)
-    x = b.input("x", (1, 8, 10, 10))
-    return b.build([b.relu(b.conv(x, 8, 3, pad=1))])
+    x = b.input("x", (1, lanes, 10, 10))
+    return b.build([b.relu(b.conv(x, lanes, 3, pad=1))])
 
 
 @pytest.fixture(scope="module")
