@@ -783,11 +783,11 @@ def test_prologue_groups_run_blocked(tmp_path):
     from tvm_layerfuse import runtime
     from tvm_layerfuse.compile.build import relax_module
     from tvm_layerfuse.compile.presets import resolve
+    from tvm_layerfuse.compile.schedules import CPUParams
     from tvm_layerfuse.compile.tactics import apply_tactics
     from tvm_layerfuse.lowering import layerfuse_pipeline
     from tvm_layerfuse.planner import plan as make_plan
     from tvm_layerfuse.relax._ir import tvm_compile
-    from tvm_layerfuse.compile.schedules import CPUParams
     from tvm_layerfuse.relax.fuse_prologue import PROLOGUE_PREFIX
 
     model = _dense_block(growth=CPUParams.of(resolve("cpu").tvm_target()).lanes)
