@@ -27,7 +27,11 @@ For each model (batch 1, float32, the ONNX file as given):
    224x224x3), OpenVINO copies it into its own tensor either way.
 
 The load average is printed before and after: a table measured beside other work (tests,
-fuzzing, tuning) is not a result. OpenVINO is optional (``pip install -e ".[bench]"``); without
+fuzzing, tuning) is not a result. So is the share of CPU time the hypervisor took from this
+machine while the engines ran (``steal`` in ``/proc/stat``, on a virtual machine), and each
+engine's spread over the rounds (the lowest and highest round median, in brackets): on a
+virtual machine whose host is busy the same engine's rounds can differ by tens of percent, and
+a ratio within that spread is a tie. OpenVINO is optional (``pip install -e ".[bench]"``); without
 it its column is empty.
 """
 
@@ -115,6 +119,15 @@ def _stamp(model: Path) -> str:
     return f"model {hashlib.sha256(model.read_bytes()).hexdigest()[:12]} package {h.hexdigest()[:12]}"
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(all CPU ticks, stolen ticks) since boot, from ``/proc/stat`` ((0, 0) where there is none)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
+
+
 def compile_pair(model: Path, work: Path, *, fusion_off: bool, reuse: bool, tactics: str = "auto") -> dict[str, Path]:
     """The artifacts (fused, and unfused with ``fusion_off``), compiled once per model and
     package with ``--tactics tactics``; ``reuse``: those already under ``work`` for this model
@@ -185,6 +198,7 @@ def main() -> None:
         return
     print(f"load average before timing: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  ({os.cpu_count()} CPUs)")
     cmd = "python scripts/bench_models.py " + " ".join(sys.argv[1:])
+    ticks = _cpu_ticks()
     for threads in args.threads:
         times: dict[tuple, list[float]] = {}
         for _ in range(args.rounds):
@@ -200,15 +214,19 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for model in args.models:
             med = {e: statistics.median(times[(model, e)]) for e in engines}
+            spread = {e: f" ({min(times[(model, e)]):.2f}-{max(times[(model, e)]):.2f})" if args.rounds > 1 else "" for e in engines}
             lf = med["layerfuse"]
             ov = med.get("openvino")
             off = med.get("fusion-off")
             print(
-                f"| {model.stem} | {lf:.2f} | {med['onnxruntime']:.2f} | {f'{ov:.2f}' if ov else '-'} | "
+                f"| {model.stem} | {lf:.2f}{spread['layerfuse']} | {med['onnxruntime']:.2f}{spread['onnxruntime']} | "
+                f"{f'{ov:.2f}' + spread['openvino'] if ov else '-'} | "
                 f"{lf / med['onnxruntime']:.2f} | {f'{lf / ov:.2f}' if ov else '-'} | {f'{off / lf:.2f}' if off else '-'} | "
                 f"{errs[model]:.1e} |"
             )
-    print(f"\nload average after timing: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    total, stolen = (b - a for a, b in zip(ticks, _cpu_ticks()))
+    print(f"\nload average after timing: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+          + (f"; CPU time stolen by the hypervisor while timing: {100 * stolen / total:.1f} %" if total else ""))
 
 
 if __name__ == "__main__":
