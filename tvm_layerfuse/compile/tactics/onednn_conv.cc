@@ -365,11 +365,10 @@ struct ProbedThreads {
   }
 };
 
-// 0 when `layout_id(n threads)` is the same for every n in 1..kThreadProbe and the calling
-// thread's count; else the first count whose id differs from the calling thread's.
-template <typename F>
-int64_t ThreadSteady(F layout_id) {
-  const uint64_t here = layout_id();
+// 0 when `layout_id()` made for n threads is `here` (its id for the calling thread's count)
+// for every n in 1..kThreadProbe; else the first count whose id differs.
+template <typename Id, typename F>
+int64_t ThreadSteady(Id here, F layout_id) {
   for (int n = 1; n <= kThreadProbe; ++n) {
     Threads t(n);
     if (layout_id() != here) return n;
@@ -1418,7 +1417,7 @@ tvm::ffi::Array<int64_t> PackedLayout(Shape x, bool prologue, Shape w, Shape att
       return std::make_pair(PackedId(ids), bytes);
     };
     const auto [id, bytes] = ids_bytes();
-    const int64_t varies = ThreadSteady([&] { return static_cast<uint64_t>(ids_bytes().first); });
+    const int64_t varies = ThreadSteady(id, [&] { return ids_bytes().first; });
     return tvm::ffi::Array<int64_t>{id, bytes, varies};
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
@@ -1742,7 +1741,7 @@ tvm::ffi::Array<int64_t> DensePackedLayout(Shape nkm) {
   if (nkm.size() != 3) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: (N, K, M) expected";
   try {
     const dnnl::memory::desc md = DenseDesc(nkm[0], nkm[1], nkm[2]).weights_desc();
-    const int64_t varies = ThreadSteady([&] { return DescId(DenseDesc(nkm[0], nkm[1], nkm[2]).weights_desc()); });
+    const int64_t varies = ThreadSteady(DescId(md), [&] { return DescId(DenseDesc(nkm[0], nkm[1], nkm[2]).weights_desc()); });
     return tvm::ffi::Array<int64_t>{PackedId({DescId(md)}), static_cast<int64_t>(md.get_size()), varies};
   } catch (const dnnl::error& e) {
     TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: oneDNN failed: " << e.what();
