@@ -304,7 +304,6 @@ class LayoutVaries(ValueError):
     def __init__(self, threads: int) -> None:
         counted = f"{threads} thread{'s' if threads != 1 else ''}"
         super().__init__(f"oneDNN picks its weights layout by the thread count (another one at {counted})")
-        self.threads = threads
 
 
 def _layout(found, *, steady: bool) -> tuple[int, int]:
