@@ -289,7 +289,8 @@ def test_an_artifact_runs_at_any_thread_count(tmp_path):
         assert "picks its weights layout by the thread count (another one at " in kept["reason"], kept
     feeds = random_inputs(model, 3)
     (want,) = run_onnxruntime(model, feeds)
-    assert np.abs(want).max() > 1e-3, "dead output"
+    (other,) = run_onnxruntime(model, random_inputs(model, 4))
+    assert rel_err(other, want) > 0.05, "the output hardly depends on the input"
     for threads in (1, 2, 3, 65):
         got = run_runtime_only(path, feeds, tmp_path, env={"OMP_NUM_THREADS": str(threads)})["output"]
         assert rel_err(got, want) <= RTOL, threads
