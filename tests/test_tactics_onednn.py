@@ -442,6 +442,26 @@ def test_other_targets_keep_tvm_tactics():
 
 @pytest.mark.slow
 @needs_onednn
+def test_layers_timed_at_one_thread_answer_right_at_the_process_thread_count():
+    """The Winograd choice times each 3x3 layer on one thread (``time_conv``); the model then
+    runs at the process's thread count. oneDNN 2.6's primitive cache does not tell a kernel
+    made for one thread from one made for two: without emptying it after the timings, a layer
+    made at two threads got the one-thread kernel back (small-channel brgconv kernels on AVX-512
+    Zen 5: wrong answers or std::bad_alloc at two threads), so every layer below must answer
+    right after being timed."""
+    n = Net(seed=31)
+    x = n.input("x", (1, 28, 1, 1))  # 3x3 convs on a 1x1 map (Inception-v3's last blocks, scaled down)
+    y = n.relu(n.conv(x, 24, name="a"))
+    y = n.relu(n.conv(y, 24, name="b"))
+    y = n.relu(n.conv(y, 24, name="c"))
+    model = n.build([n.conv(y, 4, k=1, pad=0, name="head")])
+    for _ in range(2):  # the second compile reuses what the first left in the caches
+        err, layers = _run_with_tactic(model, winograd="timed")
+        assert err <= RTOL, err
+        assert sum(c.tactic == "onednn" for c in layers) == 4 and all(c.timing for c in layers if "x[1, 28" in c.shape), layers
+
+
+@needs_onednn
 @pytest.mark.parametrize(
     "name", ["googlenet", "inception_v3", "resnet50", "squeezenet1_1", "densenet121", "mobilenet_v2", "efficientnet_like"]
 )

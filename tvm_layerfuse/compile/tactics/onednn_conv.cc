@@ -97,7 +97,9 @@
 //   layerfuse.onednn.scale_channels (x, g, attrs, out)   out = x * g: x, out [N, C, H, W], g
 //       [N, C, 1, 1] (a squeeze-and-excitation gate, broadcast over H, W); attrs: enum
 //       ScaleField (abi.ScaleAttrs: block): x and out both in nChwBc when block = B != 0
-//       (C % B == 0: g has the same bytes in both layouts), else both NCHW
+//       (C % B == 0: g has the same bytes in both layouts), else both NCHW; blocked, x and out
+//       may be padded nChwBc of Cg channels (C = ceilB(Cg), g [N, Cg, 1, 1]; the pad channels
+//       of out are written 0)
 //
 //   layerfuse.onednn.implementation(x_shape, w_shape, attrs, residual) -> str
 //       the implementation oneDNN picks for that layer on this machine (impl_info_str), e.g.
@@ -340,11 +342,23 @@ struct Reorder {
 dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
 
 // `n` OpenMP threads for the calling thread while this lives (restored however the scope
-// ends): a oneDNN kernel made meanwhile fixes n as its thread count.
+// ends): a oneDNN kernel made meanwhile fixes n as its thread count. oneDNN 2.6's primitive
+// cache does not tell kernels made for different thread counts apart: a kernel made here for
+// n threads would be handed to a later caller at another count, whose team then writes
+// beyond the scratchpad sized for n (brgconv kernels on Zen 5, after the compiler's 1-thread
+// timings: std::bad_alloc, wrong answers). So on leaving another count the cache is emptied.
 struct Threads {
-  int saved = omp_get_max_threads();
-  explicit Threads(int n) { omp_set_num_threads(n); }
-  ~Threads() { omp_set_num_threads(saved); }
+  const int saved = omp_get_max_threads();
+  const int n;
+  explicit Threads(int count) : n(count) { omp_set_num_threads(count); }
+  ~Threads() {
+    omp_set_num_threads(saved);
+    if (n != saved) {  // empty oneDNN's primitive cache of the kernels made for n threads
+      const int capacity = dnnl::get_primitive_cache_capacity();
+      dnnl::set_primitive_cache_capacity(0);
+      dnnl::set_primitive_cache_capacity(capacity);
+    }
+  }
 };
 struct OneThread : Threads {
   OneThread() : Threads(1) {}
@@ -357,7 +371,8 @@ struct OneThread : Threads {
 constexpr int kThreadProbe = 64;
 
 // A kernel that reads packed weights is made for at most kThreadProbe threads, the counts
-// over which the compiler found their layout steady: with more it runs on kThreadProbe.
+// over which the compiler found their layout steady: with more it is made and runs on
+// kThreadProbe (a kernel runs on the thread count it was made for, see Threads).
 struct ProbedThreads {
   std::optional<Threads> t;
   explicit ProbedThreads(bool packed) {
@@ -1029,6 +1044,7 @@ std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& a
   for (int64_t v : attrs) made_for.Add(v);
   made_for.Add(residual);
   made_for.Add(dst_block);
+  made_for.Add(omp_get_max_threads());  // its kernels' thread count: another count makes its own
   const LayerKey key{at.layer, packed ? nullptr : static_cast<const void*>(rows.w), piece, made_for.h};
   {
     std::shared_lock<std::shared_mutex> lock(CacheMutex());
@@ -1042,7 +1058,6 @@ std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& a
     }
   }
   const std::vector<int64_t> values(attrs.begin(), attrs.end());
-  const ProbedThreads threads(packed);
   auto layer = MakeLayer(x, rows, at, values, residual, dst_block, fingerprint);  // no lock held while it is made
   std::unique_lock<std::shared_mutex> lock(CacheMutex());
   Layers()[key] = layer;
@@ -1181,9 +1196,9 @@ LAYERFUSE_CLONES void ScaleChannel(const float* __restrict x, float g, float* __
 
 // the same for hw pixels of one B-channel block (nChwBc), g: the block's B factors
 LAYERFUSE_CLONES void ScaleBlock(const float* __restrict x, const float* __restrict g, float* __restrict y, int64_t hw,
-                                 int64_t block) {
+                                 int64_t block, int64_t valid) {
   float gv[16];
-  for (int l = 0; l < block; ++l) gv[l] = g[l];
+  for (int l = 0; l < block; ++l) gv[l] = l < valid ? g[l] : 0.f;  // the pad channels of a padded block: 0
   if (block == 16) {
     for (int64_t p = 0; p < hw; ++p)
       for (int l = 0; l < 16; ++l) y[p * 16 + l] = x[p * 16 + l] * gv[l];
@@ -1211,20 +1226,26 @@ void ScaleChannels(TensorView x, TensorView g, Shape attrs, TensorView out) {
   const int64_t N = x.shape()[0], C = x.shape()[1], HW = x.shape()[2] * x.shape()[3];
   for (int i = 0; i < 4; ++i)
     if (out.shape()[i] != x.shape()[i]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn.scale_channels: output shape != input shape";
-  if (g.shape()[0] != N || g.shape()[1] != C || g.shape()[2] * g.shape()[3] != 1)
-    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.scale_channels: the gate must be [N, C, 1, 1] of the input's N, C";
+  // the gate's channels: C, or (blocked, padded nChwBc: x is [N, ceilB(Cg), H, W]) Cg with C - B < Cg < C
+  const int64_t Cg = g.shape()[1];
+  const bool padded = block && Cg < C && Cg > C - block;
+  if (g.shape()[0] != N || (Cg != C && !padded) || g.shape()[2] * g.shape()[3] != 1)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.scale_channels: the gate must be [N, C, 1, 1] of the input's N, C"
+                              << " (or, blocked, of the channels its padded blocks hold)";
   if (block && C % block)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.scale_channels: blocked channels must be a multiple of " << block;
   const float* xp = Data(x);
   const float* gp = Data(g);
   float* yp = const_cast<float*>(Data(out));
   const int64_t step = block ? block : 1;
-  const int64_t units = N * (C / step);
+  const int64_t per_image = C / step;
+  const int64_t units = N * per_image;
 #pragma omp parallel for schedule(static)
   for (int64_t u = 0; u < units; ++u) {
-    const int64_t offset = u * step * HW;  // unit u: image u / (C / step), channels from (u % (C / step)) * step
+    const int64_t offset = u * step * HW;  // unit u: image u / per_image, channels from (u % per_image) * step
+    const int64_t c0 = (u % per_image) * step;
     if (block) {
-      ScaleBlock(xp + offset, gp + u * step, yp + offset, HW, block);
+      ScaleBlock(xp + offset, gp + (u / per_image) * Cg + c0, yp + offset, HW, block, Cg - c0);
     } else {
       ScaleChannel(xp + offset, gp[u], yp + offset, HW);
     }
@@ -1356,6 +1377,7 @@ void RunConv(const Input& in, const TensorView& w, const TensorView& b, const Te
   dims x_dims = InputDims(in);
   Attrs at = Attrs::From(attrs);
   const bool packed = at.packed != 0;
+  const ProbedThreads threads(packed);  // its kernels made and run for one thread count
   CheckTensor(w, packed ? 1 : 4, packed ? "packed weight" : "weight");
   CheckTensor(b, 1, "bias");
   if (r) CheckTensor(*r, 4, "residual");
@@ -1667,9 +1689,10 @@ std::shared_mutex& DenseMutex() {
   return *mu;
 }
 
-// plain weights: by their address; packed ones: by (N, K, M) under the null address (shared)
-std::map<std::tuple<const void*, int64_t, int64_t, int64_t>, std::shared_ptr<const DensePrim>>& DensePrims() {
-  static auto* prims = new std::map<std::tuple<const void*, int64_t, int64_t, int64_t>, std::shared_ptr<const DensePrim>>();
+// plain weights: by their address; packed ones: by (N, K, M) under the null address (shared);
+// and by the thread count their kernel is made for
+std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int64_t>, std::shared_ptr<const DensePrim>>& DensePrims() {
+  static auto* prims = new std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int64_t>, std::shared_ptr<const DensePrim>>();
   return *prims;
 }
 
@@ -1690,9 +1713,10 @@ void Dense(TensorView x, TensorView w, TensorView b, Shape attrs, TensorView out
   if ((packed ? attrs[kDenseK] : w.shape()[0]) != K || b.numel() != M || out.shape()[0] != N || out.shape()[1] != M)
     TVM_FFI_THROW(ValueError) << "layerfuse.onednn.dense: shapes do not agree";
   try {
+    const ProbedThreads threads(packed);  // its kernel made and run for one thread count
     std::vector<float> fingerprint;
     if (!packed) fingerprint = Fingerprint(Data(w), K * M);
-    const auto key = std::make_tuple(packed ? nullptr : static_cast<const void*>(Data(w)), N, K, M);
+    const auto key = std::make_tuple(packed ? nullptr : static_cast<const void*>(Data(w)), N, K, M, static_cast<int64_t>(omp_get_max_threads()));
     std::shared_ptr<const DensePrim> p;
     {
       std::shared_lock<std::shared_mutex> lock(DenseMutex());
@@ -1702,7 +1726,6 @@ void Dense(TensorView x, TensorView w, TensorView b, Shape attrs, TensorView out
     if (!p) {  // made without the lock held; plain weights reordered once into the primitive's layout
       auto made = std::make_shared<DensePrim>();
       made->N = N, made->K = K, made->M = M;
-      const ProbedThreads threads(packed);
       made->pd = DenseDesc(N, K, M);
       made->prim = dnnl::matmul(made->pd);
       made->packed_id = PackedId({DescId(made->pd.weights_desc())});
