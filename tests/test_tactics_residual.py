@@ -196,3 +196,34 @@ def test_in_place_residuals_run_from_an_artifact_in_a_runtime_only_process(tmp_p
     feeds = random_inputs(model, 2)
     (expected,) = run_onnxruntime(model, feeds)
     assert rel_err(run_runtime_only(out, feeds, tmp_path)["output"], expected) <= RTOL
+
+
+def test_a_max_pool_between_padded_convs_keeps_them_padded():
+    """ShuffleNet's stem: relu(conv) of 24 channels (12 with B = 8), a 3x3 max pool, then a
+    depthwise conv and a 1x1 conv reading the pooled tensor. The pool is TVM's blocked kernel
+    on the padded nChwBc bytes, so the stem conv writes blocked, both readers read blocked,
+    and no call reorders (before, all of it stayed plain: a reorder out of the stem conv and
+    one into each reader)."""
+    block = onednn.block_width()
+    assert block in (8, 16), block
+    c = 12 * (block // 8)
+    b = NetBuilder("padded_pool", seed=12)
+    x = b.input("input", (1, 3, 32, 32))
+    with b.scope("stem"):
+        t = b.relu(b.conv(x, c, 3, stride=2, pad=1))
+    t = b.maxpool(t, 3, 2, 1)
+    with b.scope("dw"):
+        u = b.conv(t, c, 3, stride=2, pad=1, groups=c)
+    with b.scope("pw"):
+        v = b.relu(b.conv(t, 2 * c, 1))
+    with b.scope("pw2"):
+        u = b.relu(b.conv(u, 2 * c, 1))
+    model = b.build({"a": u, "b": v})
+    mod, chooser, code = _compile_and_compare(model)
+    layout = onednn.layout_name(block)
+    (pool,) = [l for l in chooser.layers if l.layer.startswith("pool:")]
+    assert pool.tactic == "tvm" and pool.layout == layout, pool
+    convs = {l.shape.split(" w")[0]: l.layout for l in chooser.layers if l.tactic == "onednn"}
+    assert convs["x[1, 3, 32, 32]"] == f"nchw>{layout}", convs  # the stem conv writes padded blocks
+    assert all(lo.startswith(f"{layout}>") for sh, lo in convs.items() if sh == f"x[1, {c}, 8, 8]"), convs
+    assert "to_blocked" not in code

@@ -37,7 +37,7 @@ bytes in both layouts, so anyone may read it. A conv reads either layout (``src_
 B) and writes either (``dst_block``: B or 0 per output piece); a plain src or dst is
 reordered inside the library call, and a plain tensor read by several convs is reordered
 once (``layerfuse.onednn.to_blocked``). A tensor with ``B < C``, ``C % B != 0`` (MobileNet-V2's
-24 channels with B = 16) that convs with one output make and only convs read is kept in
+24 channels with B = 16) that convs with one output, pools and gates make and only they read is kept in
 padded ``nChwBc``: its Relax type becomes ``[N, ceilB(C), H, W]``, the bytes oneDNN's padded
 layout takes (see ``_padded``). So reorders happen only where a TVM kernel reads or writes a
 tensor next to a oneDNN layer (and at the split pieces of a merged conv with such channel
@@ -388,7 +388,8 @@ def _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, c
             if bound.call.conv:
                 flags[v] = conv_flags(v, bound, padded)
             elif bound.call in (abi.POOL2D, abi.SCALE_CHANNELS):
-                flags[v] = (width * (v in blocked), width * (v in blocked))
+                inside = v in blocked or v in padded
+                flags[v] = (width * inside, width * inside)
         refused = []
         for v, f in flags.items():
             if not any(f) or calls[v].call is abi.SCALE_CHANNELS:  # the library's own loop: any layout
@@ -413,15 +414,22 @@ def _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, c
 
 def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -> set:
     """Tensors kept in nChwBc with their channels padded to a multiple of B (MobileNet-V2's
-    24-channel stage with B = 16): B < C, C % B != 0, made by a conv with one output and read only by
-    convs (as their src, or conv2d_add's residual), never by TVM, the caller, a pool, a
-    concat or a prologue -- all their class alike -- and every conv that touches one keeps an
+    24-channel stage with B = 16): B < C, C % B != 0, made by a conv with one output, a pool
+    or a gate (``scale_channels``) and read only by those (a conv as its src, or conv2d_add's
+    residual; a gate as the tensor it scales), never by TVM, the caller, a concat or a
+    prologue -- all their class alike (a pool's or gate's src and dst are one class: the
+    stem's max pool in ShuffleNet, the squeeze-and-excitation blocks of MobileNetV3's 72- and
+    120-channel stages), 1x1 only as a pool's result -- and every conv that touches one keeps an
     optimised kernel in that layout (``conv_flags(var, bound, padded)``: the flags it gets; a
     class whose conv would get ``ref:`` stays plain). Their Relax type becomes [N, ceilB(C),
     H, W] (the bytes of oneDNN's padded nChwBc; the library takes C from the weights), so no
     conv reorders them to and from NCHW inside its call. (C < B is left plain: padding would
     multiply the reading conv's work more than the reorders cost.)"""
     simple = (abi.CONV2D, abi.CONV2D_ADD)
+    # what else may make or read a padded tensor (its src and dst in one class): a pool (TVM's
+    # blocked kernel pools the pad channels too, zeros into zeros) and a gate (the library's
+    # loop scales them by 0); the gate factor itself stays plain (role "scale")
+    layout_bound = (abi.POOL2D, abi.SCALE_CHANNELS)
     readers: dict = {}  # var -> [(library call, role)]
     for bound in calls.values():
         for role in ("inputs", "scale", "shift", "weight", "bias", "residual"):
@@ -438,11 +446,15 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -
         shape = static_shape(var)
         if not width or shape is None or len(shape) != 4 or shape[1] % width == 0 or shape[1] < width:
             return False
-        if shape[2] * shape[3] == 1:
+        if var not in calls or not isinstance(var, relax.DataflowVar) or var in tvm_read:
             return False
-        if var not in calls or calls[var].call not in simple or not isinstance(var, relax.DataflowVar) or var in tvm_read:
-            return False
-        return all(call in simple and role in ("inputs", "residual") for call, role in readers.get(var, []))
+        made_by = calls[var].call
+        if made_by not in simple + layout_bound or (shape[2] * shape[3] == 1 and made_by is not abi.POOL2D):
+            return False  # a 1x1 tensor only as a pool's result (the squeeze of a padded tensor)
+        return all(
+            (call in simple and role in ("inputs", "residual")) or (call in layout_bound and role == "inputs")
+            for call, role in readers.get(var, [])
+        )
 
     classes = [vs for vs in members.values() if all(can_pad(m) for m in vs)]
     padded = {v for vs in classes for v in vs}
