@@ -91,23 +91,24 @@ def test_prelu_and_lookalikes_stay_with_tvm_with_the_reason():
     assert all(c.tactic == "tvm" and "other constants" in c.reason for c in odd)
 
 
-def _gated(*, gate_first: bool, scale: str, seed: int, channels: int = 24):
+def _gated(*, gate_first: bool, scale: str, seed: int, channels: int = 24, batch: int = 1):
     """A squeeze-and-excitation block as torchvision writes it: x = relu(conv(in));
     s = scale(fc2(relu(fc1(GlobalAveragePool(x))))); Mul(s, x) (or Mul(x, s)); then a 1x1 conv."""
     n = Net(seed=seed)
-    x = n.input("x", (1, 16, 12, 12))
+    x = n.input("x", (batch, 16, 12, 12))
     x = n.relu(n.conv(x, channels, name="c"))
-    s = n.node("GlobalAveragePool", [x], shape=(1, channels, 1, 1))
+    s = n.node("GlobalAveragePool", [x], shape=(batch, channels, 1, 1))
     s = n.relu(n.conv(s, 8, k=1, pad=0, name="fc1"))
-    s = n.node(scale, [n.conv(s, channels, k=1, pad=0, name="fc2")], shape=(1, channels, 1, 1))
-    y = n.node("Mul", [s, x] if gate_first else [x, s], shape=(1, channels, 12, 12))
+    s = n.node(scale, [n.conv(s, channels, k=1, pad=0, name="fc2")], shape=(batch, channels, 1, 1))
+    y = n.node("Mul", [s, x] if gate_first else [x, s], shape=(batch, channels, 12, 12))
     return n.build([n.conv(y, 16, k=1, pad=0, name="project")])
 
 
 @pytest.mark.parametrize(
-    "gate_first, scale, channels", [(True, "Sigmoid", 24), (False, "HardSigmoid", 24), (True, "Sigmoid", 20)]
+    "gate_first, scale, channels, batch",
+    [(True, "Sigmoid", 24, 1), (False, "HardSigmoid", 24, 1), (True, "Sigmoid", 20, 1), (False, "Sigmoid", 40, 2)],
 )
-def test_squeeze_excitation_gate_runs_on_the_library_in_the_convs_layout(gate_first, scale, channels):
+def test_squeeze_excitation_gate_runs_on_the_library_in_the_convs_layout(gate_first, scale, channels, batch):
     """The gate's conv and its activation on oneDNN; ``* x`` after it, as the library's
     ``scale_channels`` (either operand order); answers equal onnxruntime's. With C a multiple of
     the block width the gated tensor, the squeeze that reads it and the product stay in the
@@ -115,15 +116,15 @@ def test_squeeze_excitation_gate_runs_on_the_library_in_the_convs_layout(gate_fi
     on either side); so they do with C above the block width and not a multiple of it, in the
     padded blocked layout (the gate's pad channels scaled by 0); otherwise all of it is plain."""
     width = onednn.block_width()
-    err, layers = _run(_gated(gate_first=gate_first, scale=scale, seed=21 + gate_first + channels, channels=channels))
+    err, layers = _run(_gated(gate_first=gate_first, scale=scale, seed=21 + gate_first + channels, channels=channels, batch=batch))
     assert err <= RTOL, err
     (gate,) = [c for c in layers if c.layer.endswith("_gate") or "_gate_" in c.layer]
     assert gate.tactic == "onednn", gate
     (scaled,) = [c for c in layers if c.layer.startswith("scale:")]
     (pool,) = [c for c in layers if c.layer.startswith("pool:")]
     convs = [c for c in layers if " w[" in c.shape]
-    (c,) = [c for c in convs if c.shape.startswith("x[1, 16, 12, 12]")]
-    (project,) = [c for c in convs if c.shape.startswith(f"x[1, {channels}, 12, 12]")]
+    (c,) = [c for c in convs if c.shape.startswith(f"x[{batch}, 16, 12, 12]")]
+    (project,) = [c for c in convs if c.shape.startswith(f"x[{batch}, {channels}, 12, 12]")]
     blocked = onednn.layout_name(width) if width and (channels % width == 0 or channels > width) else "nchw"
     assert (scaled.tactic, scaled.kernel, scaled.layout) == ("loop", "scale_channels", blocked), scaled
     assert c.layout.endswith(">" + blocked) and project.layout.startswith(blocked + ">"), (c, project)
