@@ -251,6 +251,34 @@ MUTANTS = [
         replacement="    if (layout_id() != here) return 0;",
         tests=[T + "test_tactics_prepack.py::test_an_artifact_runs_at_any_thread_count"],
     ),
+    dict(
+        id="primitive-cache-kept-across-thread-counts",
+        area="packed weights",
+        why="a kernel made for the timings' one thread handed to a layer at two (killed where oneDNN picks brgconv there, AVX-512)",
+        file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
+        original="    if (n != saved) {  // empty oneDNN's primitive cache of the kernels made for n threads",
+        replacement="    if (false) {  // empty oneDNN's primitive cache of the kernels made for n threads",
+        tests=[T + "test_tactics_onednn.py::test_layers_timed_at_one_thread_answer_right_at_the_process_thread_count"],
+    ),
+    # ------------------------------------------------------------------ padded blocked layout
+    dict(
+        id="padded-gate-offset-per-image",
+        area="blocked layout",
+        why="a padded gate read at the padded channel count: the second image scaled by the first's gate tail",
+        file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
+        original="ScaleBlock(xp + offset, gp + (u / per_image) * Cg + c0, yp + offset, HW, block, Cg - c0);",
+        replacement="ScaleBlock(xp + offset, gp + u * step, yp + offset, HW, block, Cg - c0);",
+        tests=[T + "test_tactics_epilogues.py::test_squeeze_excitation_gate_runs_on_the_library_in_the_convs_layout"],
+    ),
+    dict(
+        id="padded-pools-refused",
+        area="blocked layout",
+        why="a pool between padded convs makes their tensors plain: a reorder out of the stem conv and into each reader",
+        file="tvm_layerfuse/compile/tactics/onednn_layout.py",
+        original="    layout_bound = (abi.POOL2D, abi.SCALE_CHANNELS)",
+        replacement="    layout_bound = (abi.SCALE_CHANNELS,)",
+        tests=[T + "test_tactics_residual.py::test_a_max_pool_between_padded_convs_keeps_them_padded"],
+    ),
     # ------------------------------------------------------------------ Winograd choice
     dict(
         id="winograd-inverted",
