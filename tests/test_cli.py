@@ -111,3 +111,32 @@ def test_inspect_compile_reports_fewer_kernels_than_tvm_default():
     assert c["default"]["concat_kernels"] == 9 and c["default"]["concat_bytes_copied"] > 0
     assert c["layerfuse"]["bytes_written"] < c["default"]["bytes_written"]
     assert c["layerfuse"]["activation_bytes"] <= c["default"]["activation_bytes"]
+
+
+INTERRUPTED_CONSTRUCTOR = """
+import sys
+from tvm_layerfuse.cli import commands
+
+class Half:  # as TVM's TempDirectory when Ctrl-C comes inside its __init__
+    def __init__(self):
+        raise KeyboardInterrupt
+    def __del__(self):
+        self.temp_dir
+
+def command():
+    staging = Half()
+
+try:
+    command()
+except KeyboardInterrupt:
+    commands._say_interrupted(standalone=True)
+"""
+
+
+def test_an_interrupt_prints_one_line_even_where_it_cut_a_constructor_short():
+    """Ctrl-C inside an object's constructor leaves it half built; freeing it with the
+    interrupt's traceback ran its ``__del__``, and Python printed "Exception ignored in" and a
+    traceback after the command's one line (seen from TVM's TempDirectory while a compile
+    exported its library). The command's process prints the one line and nothing after it."""
+    p = subprocess.run([sys.executable, "-c", INTERRUPTED_CONSTRUCTOR], capture_output=True, text=True, timeout=120)
+    assert p.stderr.strip().splitlines() == ["error: interrupted; nothing was written"], p.stderr

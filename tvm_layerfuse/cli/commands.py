@@ -389,9 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
 INTERRUPTED = "error: interrupted; nothing was written"
 
 
-def _say_interrupted() -> None:
+def _say_interrupted(*, standalone: bool) -> None:
     """The one error line of an interrupt, on the terminal even when the interrupt came while
-    native output was redirected (see :mod:`tvm_layerfuse.native_output`)."""
+    native output was redirected (see :mod:`tvm_layerfuse.native_output`). ``standalone`` (the
+    process ends with the command): nothing is printed after it -- an object the interrupt cut
+    short in its constructor (TVM's ``TempDirectory`` while the library is exported) would
+    otherwise print "Exception ignored in ... __del__" and a traceback as it is freed."""
     from .. import native_output
 
     native_output.restore()
@@ -399,6 +402,9 @@ def _say_interrupted() -> None:
 
     remove_unfinished()  # "nothing was written": also where Ctrl-C cut a clean-up short
     print(INTERRUPTED, file=sys.stderr)
+    if standalone:
+        sys.stderr.flush()
+        sys.unraisablehook = lambda unraisable: None
 
 
 class Interrupts:
@@ -476,7 +482,7 @@ def main(argv: Optional[Sequence[str]] = None, *, standalone: bool = False) -> i
         try:
             return _main(argv, interrupts)
         except KeyboardInterrupt:  # Ctrl-C before the command started (imports, argument parsing)
-            _say_interrupted()
+            _say_interrupted(standalone=standalone)
             return 130
 
 
@@ -489,20 +495,20 @@ def _main(argv: Optional[Sequence[str]], interrupts: Interrupts) -> int:
         parser.print_help(sys.stderr)
         return 2
     args.interrupts = interrupts
-    return _run(args, interrupts.seen)
+    return _run(args, interrupts.seen, standalone=interrupts.ignore_when_done)
 
 
-def _run(args: argparse.Namespace, interrupts: list[int]) -> int:
+def _run(args: argparse.Namespace, interrupts: list[int], *, standalone: bool = False) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        _say_interrupted()
+        _say_interrupted(standalone=standalone)
         return 130
     except Exception as e:
         if interrupts:
             # Ctrl-C inside a Python callback that TVM called from C++ (our Relax passes)
             # comes back out of TVM's FFI as a RuntimeError, or wrapped in our BuildError.
-            _say_interrupted()
+            _say_interrupted(standalone=standalone)
             return 130
         if isinstance(e, LayerfuseError):
             print(f"error: {e}", file=sys.stderr)
