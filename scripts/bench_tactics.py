@@ -88,7 +88,7 @@ def kind_of(symbol: str) -> str:
         return "concat"
     if "pool" in s:  # TVM's pools and layerfuse.onednn.pool2d
         return "pool"
-    if any(k in s for k in ("transpose", "layout", "reshape", "permute", "to_blocked")):
+    if any(k in s for k in ("transpose", "layout", "reshape", "permute", "to_blocked", "shuffle")):
         return "layout"
     if "onednn" in s or "conv" in s:
         return "conv"

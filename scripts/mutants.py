@@ -279,6 +279,25 @@ MUTANTS = [
         replacement="    layout_bound = (abi.SCALE_CHANNELS,)",
         tests=[T + "test_tactics_residual.py::test_a_max_pool_between_padded_convs_keeps_them_padded"],
     ),
+    dict(
+        id="shuffle-groups-swapped",
+        area="blocked layout",
+        why="the channel shuffle's even channels taken from the right half: every shuffled tensor wrong",
+        file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
+        original="      const bool from_a = c % 2 == 0;",
+        replacement="      const bool from_a = c % 2 == 1;",
+        tests=[T + "test_tactics_onednn.py::test_shuffle_gathers_its_channel_range_in_every_layout",
+               T + "test_mobile_layer_forms.py::test_mobile_layer_form_through_an_artifact_matches_onnxruntime"],
+    ),
+    dict(
+        id="shuffle-slice-start-dropped",
+        area="blocked layout",
+        why="a slice of the shuffle taken from channel 0: the second half read as the first",
+        file="tvm_layerfuse/compile/tactics/onednn_shuffle.py",
+        original="    return (first, last - first) if 0 <= first < last else None",
+        replacement="    return (0, last - first) if 0 <= first < last else None",
+        tests=[T + "test_mobile_layer_forms.py::test_mobile_layer_form_through_an_artifact_matches_onnxruntime"],
+    ),
     # ------------------------------------------------------------------ Winograd choice
     dict(
         id="winograd-inverted",

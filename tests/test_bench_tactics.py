@@ -38,6 +38,7 @@ def test_breakdown_kinds():
         "layerfuse.onednn.concat": "concat",
         "layerfuse.onednn.concat_convs": "conv",  # convs writing into the block, no copy
         "layerfuse.onednn.to_blocked": "layout",
+        "layerfuse.onednn.shuffle": "layout",  # a channel shuffle's gather
         "fused_conv2d_add_relu": "conv",
         "max_pool2d": "pool",
     }

@@ -10,8 +10,9 @@ onnxruntime, at the full width of their blocks:
 * the squeeze-and-excitation gate (GlobalAveragePool -> 1x1 conv -> ReLU -> 1x1 conv ->
   HardSigmoid -> Mul): the gate's convs on oneDNN, the multiply the library's
   ``scale_channels``;
-* ShuffleNet's channel split and shuffle (Split, Reshape / Transpose / Reshape, Concat): the
-  shuffle one TVM kernel with a parallel, vectorised schedule between the library's convs.
+* ShuffleNet's channel split and shuffle (Slice, Concat, Reshape / Transpose / Reshape): each
+  channel range read of the shuffle one ``shuffle`` call of the library, between convs that
+  read and write the blocked layout (58-channel halves padded to whole blocks).
 
 Each artifact says where every layer runs, and holds no unscheduled TVM kernel."""
 
@@ -65,20 +66,28 @@ def _squeeze_excitation():
 
 
 def _channel_shuffle():
-    """ShuffleNetV2's unit of its second stage (116 channels at 28x28): split the channels in
-    two, one half through 1x1 -> depthwise 3x3 -> 1x1, concat with the other half, shuffle the
-    two groups (Reshape / Transpose / Reshape), then a 1x1 conv."""
+    """Two ShuffleNetV2 units of its second stage (116 channels at 28x28), as torchvision exports
+    them: the channels sliced in two (Slice, ``chunk``), one half through 1x1 -> depthwise 3x3 ->
+    1x1, concat with the other half, the two groups shuffled (Reshape / Transpose / Reshape);
+    the second unit slices the first's shuffle, the last shuffle is read whole by a 1x1 conv."""
     n = Net(seed=10)
+
+    def half(x, lo):
+        starts, ends, axes = (n.const(np.array([v], np.int64)) for v in (lo, lo + 58, 1))
+        return n.node("Slice", [x, starts, ends, axes], shape=(1, 58, 28, 28))
+
+    def unit(x, i):
+        a, b = half(x, 0), half(x, 58)
+        b = n.relu(n.conv(b, 58, k=1, pad=0, name=f"pw1_{i}"))
+        b = n.conv(b, 58, k=3, group=58, name=f"dw_{i}")
+        b = n.relu(n.conv(b, 58, k=1, pad=0, name=f"pw2_{i}"))
+        y = n.concat([a, b])
+        g = n.node("Reshape", [y, n.const(np.array([1, 2, 58, 28, 28], np.int64))], shape=(1, 2, 58, 28, 28))
+        t = n.node("Transpose", [g], perm=[0, 2, 1, 3, 4], shape=(1, 58, 2, 28, 28))
+        return n.node("Reshape", [t, n.const(np.array([1, 116, 28, 28], np.int64))], shape=(1, 116, 28, 28))
+
     x = n.relu(n.conv(n.input("x", (1, 16, 28, 28)), 116, k=1, pad=0, name="stem"))
-    a, b = n.node("Split", [x, n.const(np.array([58, 58], np.int64))], outputs=2, axis=1, shape=(1, 58, 28, 28))
-    b = n.relu(n.conv(b, 58, k=1, pad=0, name="pw1"))
-    b = n.conv(b, 58, k=3, group=58, name="dw")
-    b = n.relu(n.conv(b, 58, k=1, pad=0, name="pw2"))
-    y = n.concat([a, b])
-    g = n.node("Reshape", [y, n.const(np.array([1, 2, 58, 28, 28], np.int64))], shape=(1, 2, 58, 28, 28))
-    t = n.node("Transpose", [g], perm=[0, 2, 1, 3, 4], shape=(1, 58, 2, 28, 28))
-    s = n.node("Reshape", [t, n.const(np.array([1, 116, 28, 28], np.int64))], shape=(1, 116, 28, 28))
-    return n.build([n.conv(s, 32, k=1, pad=0, name="head")])
+    return n.build([n.conv(unit(unit(x, 1), 2), 32, k=1, pad=0, name="head")])
 
 
 FORMS = {  # name -> (model, check of the manifest's layers and kernels)
@@ -113,11 +122,16 @@ def _check_layers(name: str, layers: list, kernels: dict) -> None:
         assert "hardsigmoid" in gate["layer"], gate
         (scale,) = [c for c in layers if c["layer"].startswith("scale:")]
         assert (scale["tactic"], scale["kernel"]) == ("loop", "scale_channels"), scale
-    elif name == "channel-shuffle":
-        shuffles = {k: v for k, v in kernels.items() if "transpose" in k}
-        assert len(shuffles) == 1, kernels
-        ((kernel, info),) = shuffles.items()
-        assert info["rule"] == "injective" and info["parallel"] and info["vectorized"], (kernel, info)
+    elif name == "channel-shuffle":  # the library's gather, between convs that stay blocked
+        assert not [k for k in kernels if "transpose" in k or "concat" in k], kernels
+        shuffles = sorted(c["shape"] for c in layers if c["layer"].startswith("shuffle:"))
+        assert shuffles == ["channels [0, 116) of 2 x 58", "channels [0, 58) of 2 x 58", "channels [58, 116) of 2 x 58"], layers
+        blocked = onednn.layout_name(onednn.block_width())
+        for c in layers:
+            if c["layer"].startswith("shuffle:"):
+                assert (c["tactic"], c["kernel"]) == ("loop", "shuffle") and c["layout"].endswith(">" + blocked), c
+        halves = [c["layout"] for c in convs if "x[1, 58" in c["shape"]]  # the first reads a TVM slice of the stem
+        assert halves == [f"nchw>{blocked}"] + [f"{blocked}>{blocked}"] * 5, halves
 
 
 @pytest.mark.parametrize("name", list(FORMS))

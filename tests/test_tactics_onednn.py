@@ -231,6 +231,38 @@ def test_scale_channels_gates_each_channel_in_either_layout_and_refuses_misfits(
         scale(tvm.runtime.tensor(x), tvm.runtime.tensor(g), tvm.runtime.ShapeTuple([block, 0]), out)
 
 
+def _padded_blocked(a: np.ndarray, block: int) -> np.ndarray:
+    """``a`` [N, C, H, W] as padded nChwBc bytes, typed [N, ceilB(C), H, W] (pad channels 0)."""
+    if not block:
+        return a
+    pad = -a.shape[1] % block
+    return _blocked(np.pad(a, [(0, 0), (0, pad), (0, 0), (0, 0)]), block)
+
+
+@needs_onednn
+@pytest.mark.parametrize("left, right, dst", [(0, 0, 0), (0, 16, 16), (16, 16, 0), (8, 8, 8), (16, 0, 16)])
+@pytest.mark.parametrize("first, length", [(0, 116), (0, 58), (58, 58), (3, 40)])
+def test_shuffle_gathers_its_channel_range_in_every_layout(left, right, dst, first, length):
+    """``shuffle(a, b)`` = channels [first, first + length) of ``reshape(transpose(reshape(concat(a,
+    b), [N, 2, C, H, W]), [0, 2, 1, 3, 4]), [N, 2C, H, W])``, batch 2, each of a, b and the result
+    plain or (padded) nChwBc; a result's pad channels are 0; channel counts that do not match
+    the attrs are refused in one line."""
+    onednn.load()
+    shuffle = tvm.get_global_func(abi.SHUFFLE.name)
+    rng = np.random.default_rng(first + length + left + right + dst)
+    a, b = (rng.standard_normal((2, 58, 5, 3)).astype(np.float32) for _ in range(2))
+    y = np.concatenate([a, b], 1).reshape(2, 2, 58, 5, 3).transpose(0, 2, 1, 3, 4).reshape(2, 116, 5, 3)
+    want = _padded_blocked(y[:, first : first + length], dst)
+    attrs = abi.ShuffleAttrs(channels=58, first=first, length=length, left_block=left, right_block=right, dst_block=dst)
+    out = tvm.runtime.empty(want.shape, "float32")
+    args = [tvm.runtime.tensor(_padded_blocked(a, left)), tvm.runtime.tensor(_padded_blocked(b, right))]
+    shuffle(*args, tvm.runtime.ShapeTuple(attrs.values()), out)
+    np.testing.assert_array_equal(out.numpy(), want)
+    wider = tvm.runtime.empty((2, want.shape[1] + (dst or 1), 5, 3), "float32")  # one channel (block) too many
+    with pytest.raises(Exception, match="channel dims do not match"):
+        shuffle(*args, tvm.runtime.ShapeTuple(attrs.values()), wider)
+
+
 @needs_onednn
 @pytest.mark.parametrize(
     "builder, kind",

@@ -33,6 +33,7 @@ concat                  inputs*                                         -> out
 concat_convs            spec, members* (each member: its call's own arguments)  -> out
 pool2d                  input, attrs                                    -> out
 scale_channels          input, scale, attrs (ScaleAttrs)                -> out
+shuffle                 inputs* (a, b), attrs (ShuffleAttrs)            -> out
 dense                   input, weight, bias, attrs (DenseAttrs)         -> out
 ======================  =====================================================================
 """
@@ -44,11 +45,12 @@ import struct
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
-ABI_VERSION = 6  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
+ABI_VERSION = 7  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
 # 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,);
 # 4: a conv's weights may come packed (ConvAttrs.packed and the weight dims); dense takes attrs (DenseAttrs)
 # 5: scale_channels (a squeeze-and-excitation gate in the convs' layout)
 # 6: conv algorithms 2 and 3, the library's own Winograd kernels (AVX2)
+# 7: shuffle (a channel range of ShuffleNet's two-group channel shuffle of a concatenation)
 
 NAMESPACE = "layerfuse.onednn."
 BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
@@ -291,6 +293,30 @@ class ScaleAttrs(_Record):
 
 
 @dataclass(frozen=True)
+class ShuffleAttrs(_Record):
+    """``shuffle``'s attrs: its output is channels ``[first, first + length)`` of the two-group
+    channel shuffle of ``concat(a, b)``, a and b of ``channels`` channels each (channel ``2i`` of
+    the shuffle is a's ``i``, ``2i + 1`` b's ``i``); the block widths of a (the concatenation's
+    left half), b (its right half) and the output (0 plain; a tensor whose channels are not
+    whole blocks is in padded nChwBc)."""
+
+    channels: int = 0
+    first: int = 0
+    length: int = 0
+    left_block: int = 0
+    right_block: int = 0
+    dst_block: int = 0
+
+    def check(self) -> None:
+        for what in ("left_block", "right_block", "dst_block"):
+            _check_width(f"shuffle's {what}", getattr(self, what))
+        if self.channels < 1 or self.length < 1 or self.first < 0 or self.first + self.length > 2 * self.channels:
+            raise AbiError(
+                f"shuffle takes channels [first, first + length) of 2 x {self.channels}, got first {self.first}, length {self.length}"
+            )
+
+
+@dataclass(frozen=True)
 class DenseAttrs(_Record):
     """``dense``'s attrs: ``packed`` 0 for plain weights ``[K, M]``; else the identity of the
     layout its oneDNN matmul picks, the weights coming packed in it (1-d), ``k`` and ``m`` their dims."""
@@ -449,10 +475,14 @@ POOL2D = LibraryCall("pool2d", ("input", "attrs"), PoolAttrs, _EITHER, _EITHER)
 # out = x * g, g [N, C, 1, 1] (the scale role): a squeeze-and-excitation gate
 SCALE_CHANNELS = LibraryCall("scale_channels", ("input", "scale", "attrs"), ScaleAttrs, _EITHER, _EITHER)
 DENSE = LibraryCall("dense", ("input", "weight", "bias", "attrs"), DenseAttrs)
+# out = channels [first, first + length) of shuffle(concat(a, b)), inputs (a, b): ShuffleNet's channel shuffle
+SHUFFLE = LibraryCall("shuffle", ("inputs*", "attrs"), ShuffleAttrs, _EITHER, _EITHER)
 
 CALLS: dict[str, LibraryCall] = {
     c.name: c
-    for c in (CONV2D, CONV2D_ADD, CONV2D_PRE, CONV2D_ADD_INPLACE, TO_BLOCKED, CONCAT, CONCAT_CONVS, POOL2D, SCALE_CHANNELS, DENSE)
+    for c in (
+        CONV2D, CONV2D_ADD, CONV2D_PRE, CONV2D_ADD_INPLACE, TO_BLOCKED, CONCAT, CONCAT_CONVS, POOL2D, SCALE_CHANNELS, DENSE, SHUFFLE
+    )
 }
 CONVS = (CONV2D, CONV2D_ADD, CONV2D_PRE)  # the conv calls Relax makes (call_dps_packed)
 MEMBERS = {c.member: c for c in CALLS.values() if c.member is not None}
@@ -649,6 +679,7 @@ def records() -> dict[str, tuple[str, tuple[str, ...]]]:
         "ToBlockedField": ("", ToBlockedAttrs.names()),
         "ScaleField": ("scale_", ScaleAttrs.names()),
         "DenseField": ("dense_", DenseAttrs.names()),
+        "ShuffleField": ("shuffle_", ShuffleAttrs.names()),
         "MemberField": ("", ConcatSpec.FIELDS),
         "Activation": ("", tuple(ACTIVATIONS)),
         "Conv2dArg": ("conv2d_", CONV2D.roles),
@@ -710,7 +741,9 @@ __all__ = [
     "POOL_ALGORITHMS",
     "PoolAttrs",
     "SCALE_CHANNELS",
+    "SHUFFLE",
     "ScaleAttrs",
+    "ShuffleAttrs",
     "TO_BLOCKED",
     "ToBlockedAttrs",
     "BLOCK_WIDTHS",

@@ -84,6 +84,11 @@
 //   layerfuse.onednn.concat_convs (spec, a_1, ..., a_m, out)   a concat (batch 1) whose pieces
 //       are convs (and copies) writing their channel ranges of out directly (see ConcatConvs;
 //       spec: abi.ConcatSpec, each member with its kind, offset and argument count)
+//   layerfuse.onednn.shuffle     (a, b, attrs, out)   out = channels [first, first + length) of
+//       the two-group channel shuffle of concat(a, b) (ShuffleNet: channel 2i is a's i, 2i + 1
+//       b's i; a, b of `channels` each); attrs: enum ShuffleField (abi.ShuffleAttrs): a, b and
+//       out each plain or nChwBc (padded where its channels are not whole blocks; out's pad
+//       channels are written 0)
 //   layerfuse.onednn.dense       (x, w, b, attrs, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
 //       attrs: enum DenseField (abi.DenseAttrs: packed, K, M): packed 0, w plain [K, M]; else w
 //       comes packed (1-d) in the layout of the identity `packed`, as a conv's (see Weights)
@@ -172,7 +177,7 @@ float FloatBits(int64_t v) {
 // The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
 // below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
 // together and raise kAbiVersion with abi.ABI_VERSION.
-constexpr int64_t kAbiVersion = 6;
+constexpr int64_t kAbiVersion = 7;
 
 // ConvAttrs: a conv's attrs
 enum ConvField : int {
@@ -191,6 +196,10 @@ enum ToBlockedField : int { kBlock, kToBlockedFieldCount };
 enum ScaleField : int { kScaleBlock, kScaleFieldCount };
 // DenseAttrs: dense's attrs
 enum DenseField : int { kDensePacked, kDenseK, kDenseM, kDenseFieldCount };
+// ShuffleAttrs: shuffle's attrs
+enum ShuffleField : int {
+  kShuffleChannels, kShuffleFirst, kShuffleLength, kShuffleLeftBlock, kShuffleRightBlock, kShuffleDstBlock, kShuffleFieldCount
+};
 // ConcatSpec: (block, then per member these fields)
 enum MemberField : int { kKind, kOffset, kNargs, kMemberFieldCount };
 // the arguments of conv2d (abi.CONV2D.roles; its outputs follow) and of conv2d_add_inplace
@@ -1252,6 +1261,58 @@ void ScaleChannels(TensorView x, TensorView g, Shape attrs, TensorView out) {
   }
 }
 
+// Channel c of one image of hw pixels, NCHW or nChwBc (padded or not): where its pixel 0 lies,
+// and the distance between its pixels.
+struct Plane {
+  int64_t start, step;
+  Plane(int64_t c, int64_t hw, int64_t block)
+      : start(block ? (c / block) * hw * block + c % block : c * hw), step(block ? block : 1) {}
+};
+
+// The channels a tensor of `channels` occupies in layout `block` (padded to whole blocks).
+int64_t Stored(int64_t channels, int64_t block) { return block ? (channels + block - 1) / block * block : channels; }
+
+void Shuffle(TensorView a, TensorView b, Shape attrs, TensorView out) {
+  CheckTensor(a, 4, "input");
+  CheckTensor(b, 4, "input");
+  CheckTensor(out, 4, "output");
+  if (attrs.size() != kShuffleFieldCount)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.shuffle: attrs must have " << kShuffleFieldCount << " entries, got "
+                              << attrs.size();
+  const int64_t channels = attrs[kShuffleChannels], first = attrs[kShuffleFirst], count = attrs[kShuffleLength];
+  const int64_t ab = attrs[kShuffleLeftBlock], bb = attrs[kShuffleRightBlock], ob = attrs[kShuffleDstBlock];
+  CheckBlock(ab);
+  CheckBlock(bb);
+  CheckBlock(ob);
+  const int64_t N = a.shape()[0], H = a.shape()[2], W = a.shape()[3], HW = H * W;
+  if (channels < 1 || count < 1 || first < 0 || first + count > 2 * channels)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.shuffle: channels [" << first << ", " << first + count << ") of 2 x " << channels;
+  for (const TensorView* t : {&b, &out})
+    if (t->shape()[0] != N || t->shape()[2] != H || t->shape()[3] != W)
+      TVM_FFI_THROW(ValueError) << "layerfuse.onednn.shuffle: inputs and output differ in N, H or W";
+  if (a.shape()[1] != Stored(channels, ab) || b.shape()[1] != Stored(channels, bb) || out.shape()[1] != Stored(count, ob))
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.shuffle: channel dims do not match the attrs";
+  const float* ap = Data(a);
+  const float* bp = Data(b);
+  float* yp = const_cast<float*>(Data(out));
+  const int64_t a_img = a.shape()[1] * HW, b_img = b.shape()[1] * HW, y_chans = out.shape()[1], y_img = y_chans * HW;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < y_chans; ++k) {  // output channel k: the shuffle's channel first + k
+      const Plane to(k, HW, ob);
+      float* y = yp + n * y_img + to.start;
+      if (k >= count) {  // a pad channel of a padded block
+        for (int64_t p = 0; p < HW; ++p) y[p * to.step] = 0.f;
+        continue;
+      }
+      const int64_t c = first + k;
+      const bool from_a = c % 2 == 0;
+      const Plane from(c / 2, HW, from_a ? ab : bb);
+      const float* x = (from_a ? ap + n * a_img : bp + n * b_img) + from.start;
+      for (int64_t p = 0; p < HW; ++p) y[p * to.step] = x[p * from.step];
+    }
+}
+
 // A conv's input: one tensor, or (with a prologue) the pieces of its channel concatenation.
 struct Input {
   std::vector<TensorView> pieces;     // k >= 1; k > 1 only with a prologue
@@ -2013,6 +2074,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.pool2d", Function::FromTyped(layerfuse_onednn::Pool2d), true);
   Function::SetGlobal("layerfuse.onednn.dense", Function::FromTyped(layerfuse_onednn::Dense), true);
   Function::SetGlobal("layerfuse.onednn.scale_channels", Function::FromTyped(layerfuse_onednn::ScaleChannels), true);
+  Function::SetGlobal("layerfuse.onednn.shuffle", Function::FromTyped(layerfuse_onednn::Shuffle), true);
   Function::SetGlobal("layerfuse.onednn.dense_implementation", Function::FromTyped(layerfuse_onednn::DenseImplementation),
                       true);
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),

@@ -82,6 +82,17 @@ def library_calls(func: relax.Function) -> dict:
     return out
 
 
+def library_made(func: relax.Function) -> set:
+    """The tensors (and pieces of tuples) that library calls make in ``func``."""
+    made: set = set()
+    for b in bindings_of(func):
+        if abi.parse_call(b.value) is not None:
+            made.add(b.var)
+        elif isinstance(b.value, relax.TupleGetItem) and b.value.tuple_value in made:
+            made.add(b.var)
+    return made
+
+
 def use_counts(func: relax.Function) -> dict:
     """var -> how many times the bindings and the result of ``func`` read it."""
     count: dict = {}
@@ -361,6 +372,8 @@ def _with_layout(bound: abi.Bound, flags: tuple[int, int]):
     """The attrs of the conv, pool or scale call ``bound`` with the block widths ``flags`` (src, dst)."""
     if bound.call in (abi.POOL2D, abi.SCALE_CHANNELS):
         return bound.attrs.replace(block=flags[0])
+    if bound.call is abi.SHUFFLE:
+        return bound.attrs.replace(left_block=flags[0], right_block=flags[1], dst_block=flags[2])
     return bound.attrs.replace(src_block=flags[0], dst_block=flags[1])
 
 
@@ -390,9 +403,11 @@ def _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, c
             elif bound.call in (abi.POOL2D, abi.SCALE_CHANNELS):
                 inside = v in blocked or v in padded
                 flags[v] = (width * inside, width * inside)
+            elif bound.call is abi.SHUFFLE:  # (a, b, out), each in its own layout
+                flags[v] = tuple(width * (t in blocked or t in padded) for t in (*bound.args.inputs, v))
         refused = []
         for v, f in flags.items():
-            if not any(f) or calls[v].call is abi.SCALE_CHANNELS:  # the library's own loop: any layout
+            if not any(f) or calls[v].call in (abi.SCALE_CHANNELS, abi.SHUFFLE):  # the library's own loops: any layout
                 continue
             if (v, f) not in checked:
                 checked[(v, f)] = _kernel(v, calls[v], _with_layout(calls[v], f))
@@ -430,6 +445,7 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -
     # blocked kernel pools the pad channels too, zeros into zeros) and a gate (the library's
     # loop scales them by 0); the gate factor itself stays plain (role "scale")
     layout_bound = (abi.POOL2D, abi.SCALE_CHANNELS)
+    gathers = (abi.SHUFFLE,)  # reads each input and writes its output in its own layout
     readers: dict = {}  # var -> [(library call, role)]
     for bound in calls.values():
         for role in ("inputs", "scale", "shift", "weight", "bias", "residual"):
@@ -449,10 +465,10 @@ def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -
         if var not in calls or not isinstance(var, relax.DataflowVar) or var in tvm_read:
             return False
         made_by = calls[var].call
-        if made_by not in simple + layout_bound or (shape[2] * shape[3] == 1 and made_by is not abi.POOL2D):
+        if made_by not in simple + layout_bound + gathers or (shape[2] * shape[3] == 1 and made_by is not abi.POOL2D):
             return False  # a 1x1 tensor only as a pool's result (the squeeze of a padded tensor)
         return all(
-            (call in simple and role in ("inputs", "residual")) or (call in layout_bound and role == "inputs")
+            (call in simple and role in ("inputs", "residual")) or (call in layout_bound + gathers and role == "inputs")
             for call, role in readers.get(var, [])
         )
 
@@ -497,6 +513,11 @@ def _record_layouts(layers: list, calls: dict, flags: dict, notes: dict) -> None
             c = by_name.get(f"scale:{v.name}")
             if c is not None:
                 c.layout = abi.layout_name(attrs.block)
+            continue
+        if bound.call is abi.SHUFFLE:
+            c = by_name.get(f"shuffle:{v.name}")
+            if c is not None:
+                c.layout = f"{abi.layout_name(attrs.left_block)},{abi.layout_name(attrs.right_block)}>{abi.layout_name(attrs.dst_block)}"
             continue
         if bound.call is abi.POOL2D:
             c = by_name.get(f"pool:{v.name}")

@@ -28,21 +28,10 @@ from tvm import relax
 from ...relax._ir import dtype_of, op_name, static_shape
 from . import abi
 from .choice import LayerChoice
-from .onednn_layout import ReplaceCalls, bindings_of
+from .onednn_layout import ReplaceCalls, bindings_of, library_made
 
 TACTIC = "loop"  # the library's own vectorised loop, not a oneDNN primitive
 KERNEL = "scale_channels"
-
-
-def _library_made(func: relax.Function) -> set:
-    """The tensors (and pieces of tuples) that library calls make in ``func``."""
-    made: set = set()
-    for b in bindings_of(func):
-        if abi.parse_call(b.value) is not None:
-            made.add(b.var)
-        elif isinstance(b.value, relax.TupleGetItem) and b.value.tuple_value in made:
-            made.add(b.var)
-    return made
 
 
 def _gate(x, g, out_shape):
@@ -57,7 +46,7 @@ def channel_scales(func: relax.Function, layers: list) -> relax.Function:
     """Every ``multiply(x, g)`` of ``func`` that gates a library-made ``x`` by a per-channel
     ``g`` -> ``layerfuse.onednn.scale_channels(x, g)`` (plain until the layouts are assigned);
     its ``scale:<var>`` choice in ``layers``."""
-    made = _library_made(func)
+    made = library_made(func)
     chosen = {}
     for b in bindings_of(func):
         v = b.value

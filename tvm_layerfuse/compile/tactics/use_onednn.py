@@ -37,7 +37,8 @@ After the conv layers, the pass moves the data around them (each step a function
 own, applied per Relax function in this order):
 
 - :mod:`.onednn_layout`: ``merge_splits`` (a merged conv's split pieces as its outputs),
-  ``dense_layers`` (the classifier), :func:`.onednn_scale.channel_scales` (squeeze-and-excitation
+  :func:`.onednn_shuffle.channel_shuffles` (ShuffleNet's channel shuffles of library tensors,
+  each channel range read one gather, ``shuffle:<var>``), ``dense_layers`` (the classifier), :func:`.onednn_scale.channel_scales` (squeeze-and-excitation
   gates of library tensors, ``scale:<var>``), ``pools_and_concats`` (pools and concats that read oneDNN
   tensors), ``assign_layouts`` (``nChw16c`` / ``nChw8c``, the block width of this CPU's kernels,
   between library calls);
@@ -96,6 +97,7 @@ from .choice import LayerChoice
 from .onednn_inplace import concats_in_place, prologues_read_pieces, residuals_in_place
 from .onednn_layout import assign_layouts, dense_layers, merge_splits, pools_and_concats
 from .onednn_scale import channel_scales
+from .onednn_shuffle import channel_shuffles
 from .oracle import LibraryOracle, Oracle, current_oracle, use_oracle
 from .tvm_pools import pools_on_tvm
 from .verify_layouts import check_layouts
@@ -185,6 +187,10 @@ class UseOneDNNConv:
             if not is_primitive(func):
                 mod[gv] = merge_splits(func)
         mod = relax.transform.DeadCodeElimination()(mod)
+        for gv, func in relax_functions(mod):
+            if not is_primitive(func):
+                mod[gv] = channel_shuffles(func, self.layers)
+        mod = relax.transform.DeadCodeElimination()(mod)  # the shuffles' concatenations, unread now
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
                 func = channel_scales(dense_layers(func, self.layers), self.layers)
