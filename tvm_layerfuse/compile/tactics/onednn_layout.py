@@ -37,7 +37,7 @@ bytes in both layouts, so anyone may read it. A conv reads either layout (``src_
 B) and writes either (``dst_block``: B or 0 per output piece); a plain src or dst is
 reordered inside the library call, and a plain tensor read by several convs is reordered
 once (``layerfuse.onednn.to_blocked``). A tensor with ``B < C``, ``C % B != 0`` (MobileNet-V2's
-24 channels with B = 16) that convs with one output, pools and gates make and only they read is kept in
+24 channels with B = 16) that convs with one output, pools, gates and shuffles make and only they read is kept in
 padded ``nChwBc``: its Relax type becomes ``[N, ceilB(C), H, W]``, the bytes oneDNN's padded
 layout takes (see ``_padded``). So reorders happen only where a TVM kernel reads or writes a
 tensor next to a oneDNN layer (and at the split pieces of a merged conv with such channel
@@ -369,7 +369,8 @@ def assign_layouts(func: relax.Function, layers: list) -> relax.Function:
 
 
 def _with_layout(bound: abi.Bound, flags: tuple[int, int]):
-    """The attrs of the conv, pool or scale call ``bound`` with the block widths ``flags`` (src, dst)."""
+    """The attrs of the conv, pool or scale call ``bound`` with the block widths ``flags`` (src, dst;
+    a shuffle's: its two inputs', then its output's)."""
     if bound.call in (abi.POOL2D, abi.SCALE_CHANNELS):
         return bound.attrs.replace(block=flags[0])
     if bound.call is abi.SHUFFLE:
@@ -429,9 +430,10 @@ def _refuse_reference_kernels(calls, pieces, members, blocked, shared, padded, c
 
 def _padded(members: dict, calls: dict, tvm_read: set, conv_flags, width: int) -> set:
     """Tensors kept in nChwBc with their channels padded to a multiple of B (MobileNet-V2's
-    24-channel stage with B = 16): B < C, C % B != 0, made by a conv with one output, a pool
-    or a gate (``scale_channels``) and read only by those (a conv as its src, or conv2d_add's
-    residual; a gate as the tensor it scales), never by TVM, the caller, a concat or a
+    24-channel stage with B = 16): B < C, C % B != 0, made by a conv with one output, a pool,
+    a gate (``scale_channels``) or a channel shuffle and read only by those (a conv as its src,
+    or conv2d_add's residual; a gate as the tensor it scales; a shuffle as either half, each
+    of its inputs and its output in a layout of its own), never by TVM, the caller, a concat or a
     prologue -- all their class alike (a pool's or gate's src and dst are one class: the
     stem's max pool in ShuffleNet, the squeeze-and-excitation blocks of MobileNetV3's 72- and
     120-channel stages), 1x1 only as a pool's result -- and every conv that touches one keeps an

@@ -40,8 +40,9 @@ own, applied per Relax function in this order):
   :func:`.onednn_shuffle.channel_shuffles` (ShuffleNet's channel shuffles of library tensors,
   each channel range read one gather, ``shuffle:<var>``), ``dense_layers`` (the classifier),
   :func:`.onednn_scale.channel_scales` (squeeze-and-excitation gates of library tensors,
-  ``scale:<var>``), ``pools_and_concats`` (pools and concats that read oneDNN tensors), ``assign_layouts`` (``nChw16c`` / ``nChw8c``, the block width of this CPU's kernels,
-  between library calls);
+  ``scale:<var>``), ``pools_and_concats`` (pools and concats that read oneDNN tensors),
+  ``assign_layouts`` (``nChw16c`` / ``nChw8c``, the block width of this CPU's kernels, between
+  library calls);
 - :mod:`.onednn_inplace`: ``prologues_read_pieces`` (DenseNet's concats never materialised),
   ``concats_in_place`` (convs write their channel ranges of a concat), ``residuals_in_place``
   (a residual conv writes into its residual's buffer);
