@@ -256,8 +256,8 @@ MUTANTS = [
         area="packed weights",
         why="a kernel made for the timings' one thread handed to a layer at two (killed where oneDNN picks brgconv there, AVX-512)",
         file="tvm_layerfuse/compile/tactics/onednn_conv.cc",
-        original="    if (n != saved) {  // empty oneDNN's primitive cache of the kernels made for n threads",
-        replacement="    if (false) {  // empty oneDNN's primitive cache of the kernels made for n threads",
+        original="      ~Forget() { ForgetCachedKernels(); }",
+        replacement="      ~Forget() {}",
         tests=[T + "test_tactics_onednn.py::test_layers_timed_at_one_thread_answer_right_at_the_process_thread_count"],
     ),
     # ------------------------------------------------------------------ padded blocked layout

@@ -351,24 +351,24 @@ struct Reorder {
 dims Dims(const int64_t* d, int n) { return dims(d, d + n); }
 
 // `n` OpenMP threads for the calling thread while this lives (restored however the scope
-// ends): a oneDNN kernel made meanwhile fixes n as its thread count. oneDNN 2.6's primitive
-// cache does not tell kernels made for different thread counts apart: a kernel made here for
-// n threads would be handed to a later caller at another count, whose team then writes
-// beyond the scratchpad sized for n (brgconv kernels on Zen 5, after the compiler's 1-thread
-// timings: std::bad_alloc, wrong answers). So on leaving another count the cache is emptied.
+// ends): a oneDNN kernel made meanwhile fixes n as its thread count.
 struct Threads {
-  const int saved = omp_get_max_threads();
-  const int n;
-  explicit Threads(int count) : n(count) { omp_set_num_threads(count); }
-  ~Threads() {
-    omp_set_num_threads(saved);
-    if (n != saved) {  // empty oneDNN's primitive cache of the kernels made for n threads
-      const int capacity = dnnl::get_primitive_cache_capacity();
-      dnnl::set_primitive_cache_capacity(0);
-      dnnl::set_primitive_cache_capacity(capacity);
-    }
-  }
+  int saved = omp_get_max_threads();
+  explicit Threads(int n) { omp_set_num_threads(n); }
+  ~Threads() { omp_set_num_threads(saved); }
 };
+
+// oneDNN 2.6's primitive cache does not tell kernels made for different thread counts apart:
+// a kernel made for n threads would be handed to a later caller at another count, whose team
+// then writes beyond the scratchpad sized for n (brgconv kernels on Zen 5, after the
+// compiler's 1-thread timings: std::bad_alloc, wrong answers). So whoever makes kernels at
+// another count than its caller's empties the cache afterwards (this library keeps its own
+// kernels; the cache only spares making identical ones). Descriptors alone are not cached.
+void ForgetCachedKernels() {
+  const int capacity = dnnl::get_primitive_cache_capacity();
+  dnnl::set_primitive_cache_capacity(0);
+  dnnl::set_primitive_cache_capacity(capacity);
+}
 struct OneThread : Threads {
   OneThread() : Threads(1) {}
 };
@@ -387,6 +387,7 @@ struct ProbedThreads {
   explicit ProbedThreads(bool packed) {
     if (packed && omp_get_max_threads() > kThreadProbe) t.emplace(kThreadProbe);
   }
+  bool capped() const { return t.has_value(); }  // kernels made now are for fewer threads than the caller's
 };
 
 // 0 when `layout_id()` made for n threads is `here` (its id for the calling thread's count)
@@ -1041,9 +1042,9 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
 }
 
 // The layer for piece `piece` of a call (rows.w: its plain weights, or null where the call's
-// weights are packed).
+// weights are packed), made under the call's `threads`.
 std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& at, const Shape& attrs, bool residual,
-                                 int64_t dst_block, size_t piece) {
+                                 int64_t dst_block, size_t piece, const ProbedThreads& threads) {
   const bool packed = at.packed != 0;
   std::vector<float> fingerprint;  // plain weights only (packed calls allocate nothing here)
   if (!packed) fingerprint = Fingerprint(rows.w, rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3]);
@@ -1068,6 +1069,7 @@ std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& a
   }
   const std::vector<int64_t> values(attrs.begin(), attrs.end());
   auto layer = MakeLayer(x, rows, at, values, residual, dst_block, fingerprint);  // no lock held while it is made
+  if (threads.capped()) ForgetCachedKernels();
   std::unique_lock<std::shared_mutex> lock(CacheMutex());
   Layers()[key] = layer;
   return layer;
@@ -1452,7 +1454,7 @@ void RunConv(const Input& in, const TensorView& w, const TensorView& b, const Te
   for (size_t j = 0; j < pieces.size(); ++j) {
     if (r && views[j].numel() != r->numel()) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: residual shape != output shape";
     const Rows rows{packed ? nullptr : Data(w) + o * row, Data(b) + o, pieces[j]};
-    layers.push_back(Get(x_dims, rows, at, attrs, r != nullptr, DstBlock(at.dst_block, j), j));
+    layers.push_back(Get(x_dims, rows, at, attrs, r != nullptr, DstBlock(at.dst_block, j), j, threads));
     o += pieces[j][0];
   }
   if (packed) CheckPacked(layers, at, w);
@@ -1798,6 +1800,7 @@ void Dense(TensorView x, TensorView w, TensorView b, Shape attrs, TensorView out
         Stream().wait();
         made->fingerprint = fingerprint;
       }
+      if (threads.capped()) ForgetCachedKernels();
       std::unique_lock<std::shared_mutex> lock(DenseMutex());
       p = DensePrims()[key] = made;
     }
@@ -1950,7 +1953,11 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
   try {
     static auto* timing = new std::mutex();  // one timing at a time (the thread count is process-wide)
     std::lock_guard<std::mutex> lock(*timing);
-    // one thread from before the primitives are made: oneDNN fixes a kernel's thread count then
+    // one thread from before the primitives are made: oneDNN fixes a kernel's thread count then;
+    // on leaving (however), the kernels made for it are dropped from oneDNN's cache
+    struct Forget {
+      ~Forget() { ForgetCachedKernels(); }
+    } forget;
     OneThread one_thread;
     struct Timed {
       Kernel k;
