@@ -365,6 +365,53 @@ def test_every_activation_post_op():
 
 
 @needs_onednn
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_silu_conv_is_the_library_pass_right_over_the_float_range(padded):
+    """A conv whose activation is SiLU runs oneDNN's kernel without the swish post-op, then the
+    library's vectorised pass (``implementation`` says so; relu stays a post-op): every element
+    right to float precision from -150 to 150 (e^-y clamped where it would overflow) and a NaN
+    kept a NaN, batch 2, plain or padded nChwBc output (pad channels stay 0 but for the NaN pixel), a tensor large
+    enough for the threaded pass and a tail of two floats past the vector steps."""
+    onednn.load()
+    width = onednn.block_width()
+    dst = width if padded else 0
+    n, c, o, h, w = 2, 4, 17, 45, 45
+    attrs = ConvAttrs.make(strides=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1, act="silu").replace(dst_block=dst)
+    kernel = onednn.implementation([n, c, h, w], [o, c, 1, 1], attrs, residual=False)
+    assert kernel.endswith(abi.OWN_SILU_SUFFIX), kernel
+    relu = onednn.implementation([n, c, h, w], [o, c, 1, 1], attrs.replace(act=ACTIVATIONS["relu"]), residual=False)
+    assert not relu.endswith(abi.OWN_SILU_SUFFIX), relu
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-1.0, 1.0, (n, c, h, w)).astype(np.float32)
+    x[1, :, 7, 9] = np.nan
+    wt = rng.uniform(-40.0, 40.0, (o, c, 1, 1)).astype(np.float32)
+    b = rng.uniform(-5.0, 5.0, o).astype(np.float32)
+    shape = (n, -(-o // width) * width, h, w) if padded else (n, o, h, w)
+
+    def conv(a) -> np.ndarray:  # NCHW, the pad channels checked to be 0 and dropped
+        out = tvm.runtime.empty(shape, "float32")
+        args = [tvm.runtime.tensor(x), tvm.runtime.tensor(wt), tvm.runtime.tensor(b), tvm.runtime.ShapeTuple(a.values())]
+        tvm.get_global_func(abi.CONV2D.name)(*args, out)
+        got = out.numpy()
+        if not padded:
+            return got
+        full = got.reshape(n, shape[1] // width, h, w, width).transpose(0, 1, 4, 2, 3).reshape(shape)
+        pad = full[:, o:].copy()
+        pad[1, :, 7, 9] = 0  # oneDNN's zero pad weights times the NaN pixel
+        assert np.array_equal(pad, np.zeros_like(pad)), "pad channels written"
+        return full[:, :o]
+
+    y = conv(attrs.replace(act=ACTIVATIONS["none"])).astype(np.float64)  # the same kernel's sums
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = y / (1.0 + np.exp(-y))
+    finite = np.isfinite(y)
+    assert (y[finite] < -90).any() and (y[finite] > 90).any() and (np.abs(want[finite]) > 1e-3).mean() > 0.5
+    got = conv(attrs)
+    assert np.isnan(got[1, :, 7, 9]).all() and np.array_equal(np.isnan(got), ~finite)
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=5e-7, atol=1e-30)
+
+
+@needs_onednn
 def test_fusion_off_with_the_same_tactic():
     err, layers = _run_with_tactic(zoo.googlenet(seed=2, blocks=2), fuse=False)
     assert err <= RTOL and all(c.tactic == "onednn" for c in layers) and layers

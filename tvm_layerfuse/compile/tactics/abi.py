@@ -64,6 +64,9 @@ MAX_BLOCKED_OUTPUTS = 64 // DST_BLOCK_BITS - 1  # 11: outputs beyond stay plain
 # where it is the library's
 CONV_ALGORITHMS = {"direct": 0, "winograd": 1, "own_winograd": 2, "own_winograd_4x4": 3}
 OWN_WINOGRAD_SUFFIX = ":layerfuse_avx2"
+# a conv whose SiLU the library applies in its own pass after oneDNN's kernel (no swish post-op):
+# `implementation` ends with this
+OWN_SILU_SUFFIX = "+silu:layerfuse"
 OWN_WINOGRAD_KERNELS = {(3, 3): (2, 3), (5, 5): (2,), (1, 7): (2,), (7, 1): (2,), (1, 3): (2,), (3, 1): (2,)}  # kernel: algorithms
 
 
