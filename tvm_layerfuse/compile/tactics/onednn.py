@@ -257,7 +257,8 @@ layout_name = abi.layout_name
 
 def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequence[int], *, residual: bool) -> str:
     """The kernel this conv layer gets on this machine: oneDNN's ``impl_info_str``, or the name of
-    the library's own Winograd kernel (``abi.is_own_winograd``) for algorithms 2 and 3."""
+    the library's own Winograd kernel (``abi.is_own_winograd``) for algorithms 2 and 3; a SiLU
+    conv's ends with ``abi.OWN_SILU_SUFFIX`` (the library's pass after oneDNN's kernel)."""
     import tvm_ffi
 
     load()
