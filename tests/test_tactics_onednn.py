@@ -6,6 +6,7 @@ line naming the library and its install command)."""
 import functools
 import json
 import logging
+import re
 import sys
 from collections import Counter
 
@@ -112,8 +113,11 @@ def test_winograd_algorithm_matches_onnxruntime(winograd):
 
 
 def _winograd_won(timing: str) -> bool:
-    direct, wino = (float(part.split()[1]) for part in timing.split(", "))
-    return wino <= direct / WINOGRAD_GAIN
+    """The choice rule on a layer's timing text: "direct A ms, winograd B ms[; direct C ms,
+    winograd D ms at N threads]", the geometric mean of B / A (and D / C) within the gain."""
+    pairs = [re.match(r"direct ([0-9.]+) ms, winograd ([0-9.]+) ms", part).groups() for part in timing.split("; ")]
+    mean = float(np.prod([float(b) / float(a) for a, b in pairs])) ** (1.0 / len(pairs))
+    return mean <= 1.0 / WINOGRAD_GAIN
 
 
 @needs_onednn
@@ -194,6 +198,10 @@ def test_time_conv_times_both_algorithms_and_refuses_attrs_of_the_wrong_length()
     plain = direct.replace(src_block=0, dst_block=0, act=ACTIVATIONS["silu"])  # every CPU has it
     times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, plain, residual=False)
     assert len(times) == 2 and all(t > 0 for t in times), times
+    times = onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, plain, residual=False, threads=3)  # its own team
+    assert len(times) == 2 and all(t > 0 for t in times), times
+    with pytest.raises(Exception, match="threads >= 1, got 0"):
+        onednn.time_conv([1, 32, 14, 14], [32, 32, 3, 3], direct, plain, residual=False, threads=0)
     n = len(ConvAttrs.names())
     with pytest.raises(Exception, match=f"attrs must have {n} entries"):
         onednn.time_conv([1, 16, 8, 8], [16, 16, 3, 3], [1] * (n - 1), [1] * (n - 1), residual=False)

@@ -268,16 +268,24 @@ def implementation(x_shape: Sequence[int], w_shape: Sequence[int], attrs: Sequen
 
 
 def time_conv(
-    x_shape: Sequence[int], w_shape: Sequence[int], attrs_a: Sequence[int], attrs_b: Sequence[int], *, residual: bool, reps: int = 7
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    attrs_a: Sequence[int],
+    attrs_b: Sequence[int],
+    *,
+    residual: bool,
+    reps: int = 7,
+    threads: int = 1,
 ) -> tuple[float, float]:
-    """This conv layer's time in ms here under ``attrs_a`` and ``attrs_b``: the fastest of
-    ``reps`` runs each, the two run in turn (other processes only ever add time)."""
+    """This conv layer's time in ms here under ``attrs_a`` and ``attrs_b`` on ``threads`` OpenMP
+    threads (the kernels oneDNN makes for that count): the fastest of ``reps`` runs each, the
+    two run in turn (other processes only ever add time)."""
     import tvm_ffi
 
     load()
     f = tvm_ffi.get_global_func("layerfuse.onednn.time_conv")
     shapes = [tvm_ffi.Shape([int(d) for d in v]) for v in (x_shape, w_shape, _values(attrs_a), _values(attrs_b))]
-    a, b = f(*shapes, bool(residual), int(reps))
+    a, b = f(*shapes, bool(residual), int(reps), int(threads))
     return float(a), float(b)
 
 

@@ -111,9 +111,9 @@
 //       "jit:avx512_core" or "jit_1x1:avx2"; the compiler refuses "ref:" kernels.
 //   layerfuse.onednn.block_width() -> int   B for this CPU: 16 where oneDNN runs its AVX-512
 //       kernels (avx512_core), 8 with AVX2 / AVX / SSE4.1, 0 (plain layouts only) below
-//   layerfuse.onednn.time_conv(x_shape, w_shape, attrs_a, attrs_b, residual, reps) -> [ms_a, ms_b]
-//       that layer's time here under two attrs, fastest of reps interleaved runs each
-//       (for the algorithm choice)
+//   layerfuse.onednn.time_conv(x_shape, w_shape, attrs_a, attrs_b, residual, reps, threads)
+//       -> [ms_a, ms_b]   that layer's time here under two attrs on `threads` OpenMP threads,
+//       fastest of reps interleaved runs each (for the algorithm choice)
 //   layerfuse.onednn.pool_implementation(x_shape, out_shape, attrs) -> str   the same, pools
 //   layerfuse.onednn.share_pool(library_path) -> bool
 //       the parallel loops of a loaded TVM library (its __TVMBackendParallelLaunch slot) run on
@@ -2002,21 +2002,26 @@ String Implementation(Shape x, Shape w, Shape attrs, bool residual) {
 // The time (ms) of this conv layer on this machine under each of two attrs (e.g. direct and
 // Winograd): the fastest of `reps` runs each, the two run in turn (weights, src and residual
 // filled with a fixed pattern; weight reorders are not timed). The minimum of interleaved
-// runs, because other processes on the machine only ever add time; on one thread, because an
-// OpenMP barrier waiting for a thread that another process holds off its core adds whole
-// scheduler time slices (8 ms and more on a busy 2-core machine), which would decide the
-// choice instead of the kernels. For the tactic choice between algorithms at compile time.
-tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b, bool residual, int64_t reps) {
+// runs, because other processes on the machine only ever add time. On `threads` threads
+// (>= 1), the kernels made for that count: oneDNN 2.6 picks another kernel by the thread
+// count (3x3 32 -> 64 on 147x147, AVX-512: Winograd 4x3 at one thread, 1.08x the direct conv's
+// time, Winograd 2x3 at two, 0.50x), so the compiler times both one thread and the machine's
+// count. At one thread no OpenMP barrier can wait for a thread that another process holds off
+// its core (whole scheduler time slices, 8 ms and more on a busy 2-core machine). For the
+// tactic choice between algorithms at compile time.
+tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b, bool residual, int64_t reps,
+                                 int64_t threads) {
   if (x.size() != 4 || w.size() != 4) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: 4-d shapes expected";
+  if (threads < 1) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: time_conv needs threads >= 1, got " << threads;
   try {
     static auto* timing = new std::mutex();  // one timing at a time (the thread count is process-wide)
     std::lock_guard<std::mutex> lock(*timing);
-    // one thread from before the primitives are made: oneDNN fixes a kernel's thread count then;
-    // on leaving (however), the kernels made for it are dropped from oneDNN's cache
+    // the thread count from before the primitives are made: oneDNN fixes a kernel's then; on
+    // leaving (however), the kernels made for it are dropped from oneDNN's cache
     struct Forget {
       ~Forget() { ForgetCachedKernels(); }
     } forget;
-    OneThread one_thread;
+    Threads team(static_cast<int>(std::min<int64_t>(threads, 1 << 16)));
     struct Timed {
       Kernel k;
       dnnl::convolution_forward prim;  // oneDNN's kernels

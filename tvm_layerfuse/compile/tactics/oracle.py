@@ -25,9 +25,9 @@ class Oracle(Protocol):
         """The kernel name (``impl_info_str``) of the conv; ``ref...`` / ``unsupported...``: none optimised."""
 
     def time_conv(
-        self, x_shape: Sequence[int], w_shape: Sequence[int], a: abi.ConvAttrs, b: abi.ConvAttrs, *, residual: bool
+        self, x_shape: Sequence[int], w_shape: Sequence[int], a: abi.ConvAttrs, b: abi.ConvAttrs, *, residual: bool, threads: int = 1
     ) -> tuple[float, float]:
-        """The conv's time (ms) under attrs ``a`` and ``b``."""
+        """The conv's time (ms) under attrs ``a`` and ``b`` on ``threads`` threads."""
 
     def pool_kernel(self, x_shape: Sequence[int], y_shape: Sequence[int], attrs: abi.PoolAttrs) -> str:
         """The kernel name of the pooling layer."""
@@ -55,10 +55,10 @@ class LibraryOracle:
     def conv_kernel(self, x_shape, w_shape, attrs, *, residual):
         return self._onednn.implementation(x_shape, w_shape, attrs, residual=residual)
 
-    def time_conv(self, x_shape, w_shape, a, b, *, residual):
-        key = (tuple(x_shape), tuple(w_shape), tuple(a.values()), tuple(b.values()), bool(residual))
+    def time_conv(self, x_shape, w_shape, a, b, *, residual, threads=1):
+        key = (tuple(x_shape), tuple(w_shape), tuple(a.values()), tuple(b.values()), bool(residual), int(threads))
         if key not in _TIMINGS:
-            _TIMINGS[key] = self._onednn.time_conv(x_shape, w_shape, a, b, residual=residual)
+            _TIMINGS[key] = self._onednn.time_conv(x_shape, w_shape, a, b, residual=residual, threads=threads)
         return _TIMINGS[key]
 
     def pool_kernel(self, x_shape, y_shape, attrs):
@@ -68,7 +68,7 @@ class LibraryOracle:
         return self._onednn.dense_implementation(n, k, m)
 
 
-# (x, w, attrs a, attrs b, residual) -> (ms under a, ms under b): LibraryOracle.time_conv's answers
+# (x, w, attrs a, attrs b, residual, threads) -> (ms under a, ms under b): LibraryOracle.time_conv's answers
 _TIMINGS: dict[tuple, tuple[float, float]] = {}
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("layerfuse_onednn_oracle", default=None)
