@@ -287,11 +287,12 @@ const PostOp kActivations[kActivationCount] = {
 };
 
 // The activations this library applies itself, in a pass over the conv's output once the
-// primitive has run (sum post-op included), instead of as oneDNN's post-op (SiluInPlace): SiLU. Measured on
-// an AVX-512 machine, one thread, nChw16c: oneDNN 2.6's swish post-op adds 0.3-0.5 ns per
-// output element to jit_1x1 and jit_dw (a 1x1 conv 16 -> 96 on 112x112: 0.20 ms without it,
-// 0.60 ms with it; a 3x3 depthwise conv of 144 channels on 56x56: 0.08 against 0.32 ms), this
-// pass 0.22 ns; relu, clip and hardswish post-ops add under 0.05 ns and stay oneDNN's.
+// primitive has run (sum post-op included), instead of as oneDNN's post-op: SiLU (SiluInPlace).
+// Measured on an AVX-512 machine, one thread, nChw16c: oneDNN 2.6's swish post-op adds
+// 0.3-0.5 ns per output element to jit_1x1 and jit_dw (a 1x1 conv 16 -> 96 on 112x112: 0.20 ms
+// without it, 0.60 ms with it; a 3x3 depthwise conv of 144 channels on 56x56: 0.08 against
+// 0.32 ms), this pass 0.20 ns; relu, clip and hardswish post-ops add under 0.05 ns and stay
+// oneDNN's.
 bool OwnActivation(int64_t act) { return act == kSilu; }
 constexpr const char* kOwnSiluSuffix = "+silu:layerfuse";  // `implementation` names it (abi.OWN_SILU_SUFFIX)
 
@@ -1139,8 +1140,6 @@ struct View {
 
 View ViewOf(const TensorView& t) { return View{const_cast<float*>(Data(t)), Dims(t.shape().data(), 4)}; }
 
-// One conv (rows of a merged one, or all of it) from x into out, as `layer`; w: its packed
-// weights (null: the layer's own copy), b: its bias. r: the residual (out's shape), or null.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LAYERFUSE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -1158,10 +1157,10 @@ LAYERFUSE_CLONES void SiluInPlace(float* __restrict y, int64_t n) {
   typedef float F __attribute__((vector_size(64)));
   typedef int32_t I __attribute__((vector_size(64)));
   constexpr int64_t kChunk = 4096, kParallel = 65536;  // floats per task; fewer: one thread
-  const int64_t chunks = (n / 16 * 16 + kChunk - 1) / kChunk;
+  const int64_t body = n / 16 * 16, chunks = (body + kChunk - 1) / kChunk;  // whole vectors; the tail after
 #pragma omp parallel for schedule(static) if (n >= kParallel)
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t end = std::min(n / 16 * 16, (c + 1) * kChunk);
+    const int64_t end = std::min(body, (c + 1) * kChunk);
     for (int64_t i = c * kChunk; i < end; i += 16) {
       F v;
       std::memcpy(&v, y + i, sizeof v);
@@ -1188,10 +1187,11 @@ LAYERFUSE_CLONES void SiluInPlace(float* __restrict y, int64_t n) {
       std::memcpy(y + i, &v, sizeof v);
     }
   }
-  for (int64_t i = n / 16 * 16; i < n; ++i) y[i] = y[i] / (1.f + std::exp(-y[i]));
+  for (int64_t i = body; i < n; ++i) y[i] = y[i] / (1.f + std::exp(-y[i]));
 }
 
-
+// One conv (rows of a merged one, or all of it) from x into out, as `layer`; w: its packed
+// weights (null: the layer's own copy), b: its bias. r: the residual (out's shape), or null.
 void RunRows(const float* x, const Layer& layer, const float* w, const float* b, const float* r, const View& out) {
   for (int i = 0; i < 4; ++i) {
     if (out.shape[i] != layer.dst_dims[i]) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: output shape does not match the conv";

@@ -112,6 +112,7 @@ log = logging.getLogger(__name__)
 
 WINOGRAD_CHOICES = ("timed", "never", "always")
 WINOGRAD_GAIN = 1.05  # Winograd is kept when direct takes at least this many times as long
+NO_WINOGRAD = "winograd (always): neither oneDNN nor the library has a Winograd kernel for it here, direct"
 
 
 def timing_threads() -> tuple[int, ...]:
@@ -123,7 +124,6 @@ def timing_threads() -> tuple[int, ...]:
     value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     count = int(value) if value.isdigit() and int(value) > 0 else len(os.sched_getaffinity(0))
     return (1, count) if count > 1 else (1,)
-NO_WINOGRAD = "winograd (always): neither oneDNN nor the library has a Winograd kernel for it here, direct"
 
 
 @dataclass
@@ -285,9 +285,10 @@ class UseOneDNNConv:
             wino, wino_kernel = candidates[0]
             return attrs.replace(algorithm=wino.algorithm), wino_kernel, "winograd (always)"
         best = None  # (Winograd / direct over the thread counts, attrs, kernel, [(threads, direct ms, Winograd ms)])
+        counts = timing_threads()
         for wino, wino_kernel in candidates:
             times = []
-            for threads in timing_threads():
+            for threads in counts:
                 key = (tuple(x_shape), tuple(w_shape), tuple(wino.values()), residual, threads)
                 if key not in self.timings:
                     direct = wino.replace(algorithm=0)
