@@ -239,6 +239,38 @@ def test_scale_channels_gates_each_channel_in_either_layout_and_refuses_misfits(
         scale(tvm.runtime.tensor(x), tvm.runtime.tensor(g), tvm.runtime.ShapeTuple([block, 0]), out)
 
 
+@needs_onednn
+@pytest.mark.parametrize("src_blocked, residual", [(True, False), (False, False), (True, True)])
+def test_a_one_pixel_conv_between_layouts_matches_numpy(src_blocked, residual):
+    """The 1x1 convs of a squeeze-and-excitation block on ``[N, C, 1, 1]``, one side blocked and
+    the other plain, with channels that are no whole blocks (24 -> 40: padded in the blocked
+    layout, which the kernel then takes for the plain side too, copied into and out of it by
+    the library), batch 2, called twice with new inputs: ``relu(x @ W^T + b [+ r])`` per image."""
+    import tvm_ffi
+
+    onednn.load()
+    block = onednn.block_width()
+    conv = tvm.get_global_func("layerfuse.onednn.conv2d_add" if residual else "layerfuse.onednn.conv2d")
+    rng = np.random.default_rng(24)
+    w = rng.standard_normal((40, 24, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    attrs = ConvAttrs.make(strides=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1, act="relu").replace(
+        layer=5, src_block=block if src_blocked else 0, dst_block=0 if src_blocked else block
+    )
+    for _ in range(2):
+        x = rng.standard_normal((2, 24, 1, 1)).astype(np.float32)
+        r = rng.standard_normal((2, 40, 1, 1)).astype(np.float32)
+        want = np.maximum(x[:, :, 0, 0] @ w[:, :, 0, 0].T + b + (r[:, :, 0, 0] if residual else 0), 0)[:, :, None, None]
+        assert (want > 0).mean() > 0.3, "dead output"
+        xs = _padded_blocked(x, block) if src_blocked else x
+        out = tvm.runtime.empty(want.shape if src_blocked else _padded_blocked(want, block).shape, "float32")
+        args = [tvm.runtime.tensor(xs), tvm.runtime.tensor(w), tvm.runtime.tensor(b)]
+        args += [tvm.runtime.tensor(r)] if residual else []
+        conv(*args, tvm_ffi.Shape(attrs.values()), out)
+        got = out.numpy() if src_blocked else out.numpy()[:, :40]  # padded nChwBc, one pixel: channel c at n * ceilB(O) + c
+        assert rel_err(got, want) <= RTOL
+
+
 def _padded_blocked(a: np.ndarray, block: int) -> np.ndarray:
     """``a`` [N, C, H, W] as padded nChwBc bytes, typed [N, ceilB(C), H, W] (pad channels 0)."""
     if not block:

@@ -823,6 +823,17 @@ struct Hasher {
   }
 };
 
+// A cache key's hash, a 64-bit word at a time (multiply and fold: about a tenth of Hasher's
+// byte loop over the same words). For the keys of this process's caches only: never stored
+// and never compared across processes, unlike Hasher's identities.
+struct KeyHasher {
+  uint64_t h = 0x9e3779b97f4a7c15ull;
+  void Add(uint64_t v) {
+    h = (h ^ v) * 0xff51afd7ed558ccdull;
+    h ^= h >> 32;
+  }
+};
+
 // The identity of a weights layout: the fields of its memory desc (dnnl_memory_desc_t, a plain C
 // struct in oneDNN 2.x) that say where each weight lives, read field by field - not the
 // struct's bytes, whose padding and unused union members are no part of the layout. Blocked
@@ -901,6 +912,7 @@ struct Layer {
   // plain NCHW <-> the primitive's layout, for a src/dst that is plain in the graph
   dnnl::memory::desc src_plain, dst_plain;
   bool src_reorder = false, dst_reorder = false;
+  int64_t src_pixels = 0, dst_pixels = 0;  // a reorder's PixelBlock: that reorder is CopyPixels
   Reorder src_in, dst_in, dst_out;
 };
 
@@ -1003,19 +1015,52 @@ void PackKernel(const Kernel& k, const dims& wdims, int64_t groups, const float*
   Stream().wait();
 }
 
+// A primitive's execute arguments as oneDNN's C call takes them, made once per set of memory
+// objects: the C++ execute copies its map into a new vector on every call.
+using ExecArgs = std::vector<dnnl_exec_arg_t>;
+ExecArgs ExecArgsOf(const std::unordered_map<int, dnnl::memory>& args) {
+  ExecArgs c;
+  for (const auto& [arg, mem] : args) c.push_back({arg, mem.get()});
+  return c;
+}
+
 // conv on the memories of args (src, weights, bias, dst; oneDNN's scratchpad where its kernel has
 // one) by kernel k on stream s: the library's Winograd kernel once what s has queued (a reorder
 // into src) is done, else the primitive prim (queued on s: the caller waits). residual: dst's
 // bytes are the residual, added before the activation (oneDNN's sum post-op).
-void RunKernel(const Kernel& k, const dnnl::convolution_forward& prim, const std::unordered_map<int, dnnl::memory>& args,
-               bool residual, dnnl::stream& s) {
+void RunKernel(const Kernel& k, const dnnl::convolution_forward& prim, const ExecArgs& args, bool residual, dnnl::stream& s) {
   if (!k.wino) {
-    prim.execute(s, args);
+    dnnl::error::wrap_c_api(dnnl_primitive_execute(prim.get(), s.get(), static_cast<int>(args.size()), args.data()),
+                            "could not execute a primitive");
     return;
   }
   s.wait();
-  auto data = [&args](int arg) { return static_cast<float*>(args.at(arg).get_data_handle()); };
+  auto data = [&args](int arg) {
+    for (const dnnl_exec_arg_t& a : args) {
+      void* p = nullptr;
+      if (a.arg == arg && dnnl_memory_get_data_handle(a.memory, &p) == dnnl_success) return static_cast<float*>(p);
+    }
+    TVM_FFI_THROW(InternalError) << "layerfuse.onednn: the Winograd kernel has no argument " << arg;
+  };
   RunWinograd(*k.wino, data(DNNL_ARG_SRC), data(DNNL_ARG_WEIGHTS), data(DNNL_ARG_BIAS), residual, data(DNNL_ARG_DST));
+}
+
+// One pixel per image ([N, C, 1, 1], the 1x1 convs of a squeeze-and-excitation block): in
+// nChwBc element (n, c) lies at n * ceilB(C) + c, in NCHW at n * C + c, so the reorder between
+// them is a copy of N rows of C floats (CopyPixels), without a primitive's call. B where md is
+// such a tensor in nChwBc, else 0.
+int64_t PixelBlock(const dnnl::memory::desc& md) {
+  const dims d = md.dims();
+  if (d.size() != 4 || d[2] * d[3] != 1) return 0;
+  for (int64_t block : {8, 16})
+    if (md == dnnl::memory::desc(d, dt::f32, Blocked(block))) return block;
+  return 0;
+}
+
+// rows [N] of C floats from `from` (row stride cf) to `to` (row stride ct); a padded row's
+// tail (ct > C) is left as it is: the reorder buffers' padding stays zero from their making
+void CopyPixels(const float* from, int64_t cf, float* to, int64_t ct, int64_t N, int64_t C) {
+  for (int64_t n = 0; n < N; ++n) std::memcpy(to + n * ct, from + n * cf, sizeof(float) * C);
 }
 
 std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const Attrs& at, const std::vector<int64_t>& attrs,
@@ -1045,6 +1090,8 @@ std::shared_ptr<const Layer> MakeLayer(const dims& x, const Rows& rows, const At
   layer->dst_plain = dnnl::memory::desc(dst_md.dims(), dt::f32, tag::nchw);
   layer->src_reorder = !at.src_block && src_md != layer->src_plain;
   layer->dst_reorder = !dst_block && dst_md != layer->dst_plain;
+  layer->src_pixels = layer->src_reorder ? PixelBlock(src_md) : 0;
+  layer->dst_pixels = layer->dst_reorder ? PixelBlock(dst_md) : 0;
   if (layer->src_reorder) layer->src_in = Reorder(layer->src_plain, src_md);
   if (layer->dst_reorder) {
     layer->dst_in = Reorder(layer->dst_plain, dst_md);
@@ -1060,7 +1107,7 @@ std::shared_ptr<const Layer> Get(const dims& x, const Rows& rows, const Attrs& a
   const bool packed = at.packed != 0;
   std::vector<float> fingerprint;  // plain weights only (packed calls allocate nothing here)
   if (!packed) fingerprint = Fingerprint(rows.w, rows.wdims[0] * rows.wdims[1] * rows.wdims[2] * rows.wdims[3]);
-  Hasher made_for;
+  KeyHasher made_for;
   for (int64_t v : x) made_for.Add(v);
   for (int64_t v : rows.wdims) made_for.Add(v);
   for (int64_t v : attrs) made_for.Add(v);
@@ -1103,10 +1150,29 @@ void ReleaseLayers() {
 // call's tensors and scratchpad, which each call points at its tensors (set_data_handle; on the
 // CPU this does what making a memory object on the handle does, without making one), and the
 // execute arguments over them. Per thread, never shared: a call only ever writes its own.
+// A wrapper's handle is set where it changed, or always where its layout has padding: oneDNN
+// 2.x's set_data_handle zeroes the padding (the tensor at that address may have been
+// rewritten since, by another kernel) and otherwise only makes and drops an execution context.
+struct Wrapper {
+  dnnl::memory mem;
+  void* at = nullptr;
+  bool padded = false;
+  Wrapper() = default;
+  explicit Wrapper(dnnl::memory m) : mem(std::move(m)) {
+    const dnnl_memory_desc_t& d = mem.get_desc().data;
+    for (int i = 0; i < d.ndims; ++i) padded = padded || d.padded_dims[i] != d.dims[i] || d.padded_offsets[i] != 0;
+    at = mem.get_data_handle();
+  }
+  void Point(const void* p) {
+    if (p == at && !padded) return;
+    mem.set_data_handle(const_cast<void*>(p));
+    at = const_cast<void*>(p);
+  }
+};
 struct Buffers {
-  dnnl::memory src, dst;                       // reorder buffers (src_reorder / dst_reorder)
-  dnnl::memory x, out, bias, weights, scratch;  // wrappers: handles set per call
-  std::unordered_map<int, dnnl::memory> args;
+  dnnl::memory src, dst;                        // reorder buffers (src_reorder / dst_reorder)
+  Wrapper x, out, bias, weights, scratch;  // wrappers: handles set per call
+  ExecArgs args;                                // over the wrappers' memory objects
 };
 Buffers& ThreadBuffers(const Layer& layer) {
   thread_local auto* buffers = new std::unordered_map<uint64_t, Buffers>();
@@ -1116,14 +1182,15 @@ Buffers& ThreadBuffers(const Layer& layer) {
     const dnnl::engine& e = Engine();
     if (layer.src_reorder) b.src = dnnl::memory(layer.kernel.src_md, e);
     if (layer.dst_reorder) b.dst = dnnl::memory(layer.kernel.dst_md, e);
-    b.x = layer.src_reorder ? b.src : dnnl::memory(layer.kernel.src_md, e, nullptr);
-    b.out = layer.dst_reorder ? b.dst : dnnl::memory(layer.kernel.dst_md, e, nullptr);
-    b.bias = dnnl::memory(layer.kernel.bias_md, e, nullptr);
-    b.weights = layer.packed ? dnnl::memory(layer.kernel.weights_md, e, nullptr) : layer.weights;
-    b.args = {{DNNL_ARG_SRC, b.x}, {DNNL_ARG_WEIGHTS, b.weights}, {DNNL_ARG_BIAS, b.bias}, {DNNL_ARG_DST, b.out}};
+    b.x = Wrapper(layer.src_reorder ? b.src : dnnl::memory(layer.kernel.src_md, e, nullptr));
+    b.out = Wrapper(layer.dst_reorder ? b.dst : dnnl::memory(layer.kernel.dst_md, e, nullptr));
+    b.bias = Wrapper(dnnl::memory(layer.kernel.bias_md, e, nullptr));
+    b.weights = Wrapper(layer.packed ? dnnl::memory(layer.kernel.weights_md, e, nullptr) : layer.weights);
+    b.args = {{DNNL_ARG_SRC, b.x.mem.get()}, {DNNL_ARG_WEIGHTS, b.weights.mem.get()}, {DNNL_ARG_BIAS, b.bias.mem.get()},
+              {DNNL_ARG_DST, b.out.mem.get()}};
     if (layer.kernel.scratchpad_md.get_size() > 0) {
-      b.scratch = dnnl::memory(layer.kernel.scratchpad_md, e, nullptr);
-      b.args[DNNL_ARG_SCRATCHPAD] = b.scratch;
+      b.scratch = Wrapper(dnnl::memory(layer.kernel.scratchpad_md, e, nullptr));
+      b.args.push_back({DNNL_ARG_SCRATCHPAD, b.scratch.mem.get()});
     }
     it = buffers->emplace(layer.serial, std::move(b)).first;
   }
@@ -1198,24 +1265,30 @@ void RunRows(const float* x, const Layer& layer, const float* w, const float* b,
   }
   float* dst_ptr = out.data;
   Buffers& buf = ThreadBuffers(layer);
-  if (layer.src_reorder) {
+  const int64_t N = layer.dst_dims[0], C = layer.x[1], O = layer.dst_dims[1];
+  if (layer.src_pixels) {
+    CopyPixels(x, C, static_cast<float*>(buf.src.get_data_handle()), RoundUp(C, layer.src_pixels), N, C);
+  } else if (layer.src_reorder) {
     layer.src_in(const_cast<float*>(x), buf.src.get_data_handle());
   } else {
-    buf.x.set_data_handle(const_cast<float*>(x));
+    buf.x.Point(x);
   }
-  if (layer.dst_reorder) {
-    if (r) layer.dst_in(const_cast<float*>(r), buf.dst.get_data_handle());  // the residual, for the sum post-op
+  float* const dst_buf = layer.dst_reorder ? static_cast<float*>(buf.dst.get_data_handle()) : nullptr;
+  if (layer.dst_reorder) {  // the residual, for the sum post-op
+    if (r && layer.dst_pixels) CopyPixels(r, O, dst_buf, RoundUp(O, layer.dst_pixels), N, O);
+    if (r && !layer.dst_pixels) layer.dst_in(const_cast<float*>(r), dst_buf);
   } else {
-    buf.out.set_data_handle(dst_ptr);
+    buf.out.Point(dst_ptr);
     if (r && r != dst_ptr) std::memcpy(dst_ptr, r, sizeof(float) * out.numel());
   }
-  buf.bias.set_data_handle(const_cast<float*>(b));
+  buf.bias.Point(b);
   // packed weights: the call's own tensor, wrapped where it lies (no copy)
-  if (layer.packed) buf.weights.set_data_handle(const_cast<float*>(w));
-  if (buf.scratch) buf.scratch.set_data_handle(ScratchpadData(layer.kernel.scratchpad_md.get_size()));
+  if (layer.packed) buf.weights.Point(w);
+  if (buf.scratch.mem) buf.scratch.Point(ScratchpadData(layer.kernel.scratchpad_md.get_size()));
   RunKernel(layer.kernel, layer.prim, buf.args, r != nullptr, Stream());
-  if (layer.dst_reorder) layer.dst_out(buf.dst.get_data_handle(), dst_ptr);
+  if (layer.dst_reorder && !layer.dst_pixels) layer.dst_out(dst_buf, dst_ptr);
   Stream().wait();
+  if (layer.dst_reorder && layer.dst_pixels) CopyPixels(dst_buf, RoundUp(O, layer.dst_pixels), dst_ptr, O, N, O);
   if (!layer.kernel.wino && OwnActivation(layer.attrs[kAct])) SiluInPlace(dst_ptr, out.numel());
 }
 
@@ -2026,6 +2099,7 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
       Kernel k;
       dnnl::convolution_forward prim;  // oneDNN's kernels
       std::unordered_map<int, dnnl::memory> args;
+      ExecArgs exec;
       double best = 1e300;
     };
     auto filled = [](const dnnl::memory::desc& md) {
@@ -2045,13 +2119,14 @@ tvm::ffi::Array<double> TimeConv(Shape x, Shape w, Shape attrs_a, Shape attrs_b,
                 {DNNL_ARG_WEIGHTS, filled(t.k.weights_md)},
                 {DNNL_ARG_BIAS, filled(t.k.bias_md)},
                 {DNNL_ARG_DST, filled(t.k.dst_md)}};
+      t.exec = ExecArgsOf(t.args);
       timed.push_back(std::move(t));
     }
     dnnl::stream s(Engine());
     for (int64_t k = -1; k < std::max<int64_t>(reps, 1); ++k) {  // one warm-up run each
       for (Timed& t : timed) {
         const auto t0 = std::chrono::steady_clock::now();
-        RunKernel(t.k, t.prim, t.args, residual, s);
+        RunKernel(t.k, t.prim, t.exec, residual, s);
         s.wait();
         const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (k >= 0) t.best = std::min(t.best, ms);
