@@ -8,8 +8,8 @@ onnxruntime, at the full width of their blocks:
 * SiLU (``x * Sigmoid(x)``, as torch exports it) after a depthwise conv: oneDNN's depthwise
   kernel with the SiLU post-op;
 * the squeeze-and-excitation gate (GlobalAveragePool -> 1x1 conv -> ReLU -> 1x1 conv ->
-  HardSigmoid -> Mul): the gate's convs on oneDNN, the multiply the library's
-  ``scale_channels``;
+  HardSigmoid -> Mul): the pool and the gate's two convs one ``se_gate`` call of the library,
+  the multiply its ``scale_channels``;
 * ShuffleNet's channel split and shuffle (Slice, Concat, Reshape / Transpose / Reshape): each
   channel range read of the shuffle one ``shuffle`` call of the library, between convs that
   read and write the blocked layout (58-channel halves padded to whole blocks).
@@ -105,7 +105,7 @@ def _convs(layers: list) -> list:
 
 
 def _check_layers(name: str, layers: list, kernels: dict) -> None:
-    convs = _convs(layers)
+    convs = [c for c in _convs(layers) if c["kernel"] != "se_gate"]  # a gate's convs: in its se_gate call
     assert convs and all(c["tactic"] == "onednn" and not c["kernel"].startswith("ref") for c in convs), layers
     if name.startswith("hardswish"):
         (act,) = [c for c in convs if "x[1, 16, 14, 14]" in c["shape"]]
@@ -118,8 +118,11 @@ def _check_layers(name: str, layers: list, kernels: dict) -> None:
         assert dw["layer"].startswith("layerfuse_conv2d_bias_silu") and "dw" in dw["kernel"], dw
         assert sum(c["layer"].startswith("layerfuse_conv2d_bias_silu") for c in convs) == 2, convs
     elif name == "squeeze-excitation":
-        (gate,) = [c for c in convs if "_gate" in c["layer"]]
-        assert "hardsigmoid" in gate["layer"], gate
+        (gate,) = [c for c in layers if c["layer"].startswith("se:")]
+        assert (gate["tactic"], gate["kernel"]) == ("loop", "se_gate"), gate
+        inside = [c for c in layers if c["kernel"] == "se_gate" and c is not gate]  # the pool and both convs
+        assert len(inside) == 3 and all(gate["layer"] in c["reason"] for c in inside), layers
+        assert any("hardsigmoid" in c["layer"] for c in inside), inside
         (scale,) = [c for c in layers if c["layer"].startswith("scale:")]
         assert (scale["tactic"], scale["kernel"]) == ("loop", "scale_channels"), scale
     elif name == "channel-shuffle":  # the library's gather, between convs that stay blocked

@@ -109,27 +109,29 @@ def _gated(*, gate_first: bool, scale: str, seed: int, channels: int = 24, batch
     [(True, "Sigmoid", 24, 1), (False, "HardSigmoid", 24, 1), (True, "Sigmoid", 20, 1), (False, "Sigmoid", 40, 2)],
 )
 def test_squeeze_excitation_gate_runs_on_the_library_in_the_convs_layout(gate_first, scale, channels, batch):
-    """The gate's conv and its activation on oneDNN; ``* x`` after it, as the library's
-    ``scale_channels`` (either operand order); answers equal onnxruntime's. With C a multiple of
-    the block width the gated tensor, the squeeze that reads it and the product stay in the
-    blocked layout from the conv that makes x to the conv that reads the product (no reorder
-    on either side); so they do with C above the block width and not a multiple of it, in the
-    padded blocked layout (the gate's pad channels scaled by 0); otherwise all of it is plain."""
+    """The gate - the global average of x, the two 1x1 convs and their activations - one
+    ``se_gate`` call of the library; ``* x`` after it, as the library's ``scale_channels``
+    (either operand order); answers equal onnxruntime's. With C a multiple of the block width
+    the gated tensor, the gate that reads it and the product stay in the blocked layout from the
+    conv that makes x to the conv that reads the product (no reorder on either side); so they do
+    with C above the block width and not a multiple of it, in the padded blocked layout (the
+    gate's pad channels scaled by 0); otherwise all of it is plain."""
     width = onednn.block_width()
     err, layers = _run(_gated(gate_first=gate_first, scale=scale, seed=21 + gate_first + channels, channels=channels, batch=batch))
     assert err <= RTOL, err
-    (gate,) = [c for c in layers if c.layer.endswith("_gate") or "_gate_" in c.layer]
-    assert gate.tactic == "onednn", gate
+    (gate,) = [c for c in layers if c.layer.startswith("se:")]
     (scaled,) = [c for c in layers if c.layer.startswith("scale:")]
-    (pool,) = [c for c in layers if c.layer.startswith("pool:")]
-    convs = [c for c in layers if " w[" in c.shape]
+    inside = [c for c in layers if c.kernel == "se_gate" and c is not gate]  # the pool, fc1 and fc2
+    assert len(inside) == 3 and all(c.tactic == "loop" and gate.layer in c.reason for c in inside), layers
+    assert any(c.layer.startswith("pool:") for c in inside) and any("_gate" in c.layer for c in inside), inside
+    convs = [c for c in layers if " w[" in c.shape and c not in inside]
     (c,) = [c for c in convs if c.shape.startswith(f"x[{batch}, 16, 12, 12]")]
     (project,) = [c for c in convs if c.shape.startswith(f"x[{batch}, {channels}, 12, 12]")]
     blocked = onednn.layout_name(width) if width and (channels % width == 0 or channels > width) else "nchw"
     assert (scaled.tactic, scaled.kernel, scaled.layout) == ("loop", "scale_channels", blocked), scaled
+    assert (gate.tactic, gate.kernel, gate.layout) == ("loop", "se_gate", blocked), gate
     assert c.layout.endswith(">" + blocked) and project.layout.startswith(blocked + ">"), (c, project)
-    assert pool.tactic == "tvm" and pool.layout == blocked, pool
-    assert all(c.tactic == "onednn" for c in layers if not c.layer.startswith(("pool:", "scale:"))), layers
+    assert all(c.tactic == "onednn" for c in convs), layers
 
 
 def test_a_residual_computed_from_the_conv_itself_stays_with_tvm():

@@ -257,7 +257,10 @@ def test_a_one_pixel_conv_between_layouts_matches_numpy(src_blocked, residual):
     attrs = ConvAttrs.make(strides=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1, act="relu").replace(
         layer=5, src_block=block if src_blocked else 0, dst_block=0 if src_blocked else block
     )
-    for _ in range(2):
+    for layer in (5, 6):  # each a new layer, its buffers made where NaN-filled memory was just freed
+        dirty = [tvm.runtime.tensor(np.full((2, n, 1, 1), np.nan, np.float32)) for n in (24, 32, 40, 48) for _ in range(8)]
+        del dirty
+        attrs = attrs.replace(layer=layer)
         x = rng.standard_normal((2, 24, 1, 1)).astype(np.float32)
         r = rng.standard_normal((2, 40, 1, 1)).astype(np.float32)
         want = np.maximum(x[:, :, 0, 0] @ w[:, :, 0, 0].T + b + (r[:, :, 0, 0] if residual else 0), 0)[:, :, None, None]
@@ -269,6 +272,56 @@ def test_a_one_pixel_conv_between_layouts_matches_numpy(src_blocked, residual):
         conv(*args, tvm_ffi.Shape(attrs.values()), out)
         got = out.numpy() if src_blocked else out.numpy()[:, :40]  # padded nChwBc, one pixel: channel c at n * ceilB(O) + c
         assert rel_err(got, want) <= RTOL
+
+
+def _activated(act: str, v: np.ndarray, alpha: float = 0.0, beta: float = 0.0) -> np.ndarray:
+    return {
+        "relu": lambda: np.where(v > 0, v, alpha * v),
+        "silu": lambda: v / (1 + np.exp(-v)),
+        "sigmoid": lambda: 1 / (1 + np.exp(-v)),
+        "hardsigmoid": lambda: np.clip(alpha * v + beta, 0, 1),
+    }[act]()
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "block, dst_block, acts",
+    [(0, 0, ("relu", "hardsigmoid")), ("width", 0, ("silu", "sigmoid")), ("width", "width", ("relu", "hardsigmoid"))],
+)
+def test_se_gate_is_the_pool_and_two_one_pixel_convs_in_either_layout(block, dst_block, acts):
+    """``se_gate(x, W1, b1, W2, b2)`` = ``act2(W2 act1(W1 mean_hw(x) + b1) + b2)`` per image,
+    batch 2, 24 channels (no whole blocks: x and the gate in padded ``nChwBc`` where their
+    widths say so, the gate's pad channels 0), against numpy; misfit shapes refused in one line."""
+    import tvm_ffi
+
+    onednn.load()
+    width = onednn.block_width()
+    block, dst_block = (width if b == "width" else b for b in (block, dst_block))
+    gate = tvm.get_global_func(abi.SE_GATE.name)
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((2, 24, 5, 7)).astype(np.float32) + rng.standard_normal((2, 24, 1, 1)).astype(np.float32)
+    w1 = (rng.standard_normal((6, 24, 1, 1)) * 0.5).astype(np.float32)
+    b1 = rng.standard_normal(6).astype(np.float32) * 0.1
+    w2 = rng.standard_normal((24, 6, 1, 1)).astype(np.float32)
+    b2 = rng.standard_normal(24).astype(np.float32) * 0.1
+    (a1, a2), hs = acts, (1 / 6, 0.5)
+    h = _activated(a1, x.mean(axis=(2, 3)) @ w1[:, :, 0, 0].T + b1)
+    alpha, beta = hs if a2 == "hardsigmoid" else (0.0, 0.0)
+    want = _activated(a2, h @ w2[:, :, 0, 0].T + b2, alpha, beta)
+    assert want.std() > 0.05 and (h > 0).mean() > 0.2, "dead gate"
+    attrs = abi.SeGateAttrs(
+        block=block, dst_block=dst_block, squeeze_act=ACTIVATIONS[a1], gate_act=ACTIVATIONS[a2],
+        gate_alpha_bits=abi.float_bits(alpha), gate_beta_bits=abi.float_bits(beta),
+    )
+    xs = _padded_blocked(x, block)
+    out = tvm.runtime.empty((2, -(-24 // dst_block) * dst_block if dst_block else 24, 1, 1), "float32")
+    args = [tvm.runtime.tensor(a) for a in (xs, w1, b1, w2, b2)]
+    gate(*args, tvm_ffi.Shape(attrs.values()), out)
+    got = out.numpy()[:, :, 0, 0]
+    assert rel_err(got[:, :24], want) <= RTOL
+    assert not got[:, 24:].any(), "pad channels of the gate not 0"
+    with pytest.raises(Exception, match="se_gate: input"):
+        gate(tvm.runtime.tensor(x[:, :16].copy()), *args[1:], tvm_ffi.Shape(attrs.values()), out)
 
 
 def _padded_blocked(a: np.ndarray, block: int) -> np.ndarray:

@@ -34,6 +34,7 @@ concat_convs            spec, members* (each member: its call's own arguments)  
 pool2d                  input, attrs                                    -> out
 scale_channels          input, scale, attrs (ScaleAttrs)                -> out
 shuffle                 inputs* (a, b), attrs (ShuffleAttrs)            -> out
+se_gate                 input, weight, bias, gate_weight, gate_bias, attrs (SeGateAttrs)  -> out
 dense                   input, weight, bias, attrs (DenseAttrs)         -> out
 ======================  =====================================================================
 """
@@ -45,12 +46,13 @@ import struct
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
-ABI_VERSION = 7  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
+ABI_VERSION = 8  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
 # 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,);
 # 4: a conv's weights may come packed (ConvAttrs.packed and the weight dims); dense takes attrs (DenseAttrs)
 # 5: scale_channels (a squeeze-and-excitation gate in the convs' layout)
 # 6: conv algorithms 2 and 3, the library's own Winograd kernels (AVX2)
 # 7: shuffle (a channel range of ShuffleNet's two-group channel shuffle of a concatenation)
+# 8: se_gate (a squeeze-and-excitation gate: the global average and the two 1x1 convs in one call)
 
 NAMESPACE = "layerfuse.onednn."
 BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
@@ -320,6 +322,30 @@ class ShuffleAttrs(_Record):
 
 
 @dataclass(frozen=True)
+class SeGateAttrs(_Record):
+    """``se_gate``'s attrs: the block widths of its input (0 plain; padded ``nChwBc`` where the
+    channels are not whole blocks) and of its output gate ``[N, C, 1, 1]``, and the activations
+    after the squeeze conv and after the gate conv (codes of :data:`ACTIVATIONS`, alpha and beta
+    as float32 bits, as a conv's attrs carry them)."""
+
+    block: int = 0
+    dst_block: int = 0
+    squeeze_act: int = 0
+    squeeze_alpha_bits: int = 0
+    squeeze_beta_bits: int = 0
+    gate_act: int = 0
+    gate_alpha_bits: int = 0
+    gate_beta_bits: int = 0
+
+    def check(self) -> None:
+        _check_width("se_gate's block", self.block)
+        _check_width("se_gate's dst_block", self.dst_block)
+        for what in ("squeeze_act", "gate_act"):
+            if getattr(self, what) not in ACTIVATIONS.values():
+                raise AbiError(f"se_gate's {what}: unknown activation code {getattr(self, what)}")
+
+
+@dataclass(frozen=True)
 class DenseAttrs(_Record):
     """``dense``'s attrs: ``packed`` 0 for plain weights ``[K, M]``; else the identity of the
     layout its oneDNN matmul picks, the weights coming packed in it (1-d), ``k`` and ``m`` their dims."""
@@ -391,6 +417,8 @@ class Args:
     weight: Any = None
     bias: Any = None
     residual: Any = None
+    gate_weight: Any = None  # se_gate: the second (excitation) conv's weight and bias
+    gate_bias: Any = None
     attrs: Any = None  # the ``R.shape`` (or the spec of concat_convs)
     members: tuple = ()  # concat_convs: (Member, Bound) per piece
 
@@ -480,11 +508,14 @@ SCALE_CHANNELS = LibraryCall("scale_channels", ("input", "scale", "attrs"), Scal
 DENSE = LibraryCall("dense", ("input", "weight", "bias", "attrs"), DenseAttrs)
 # out = channels [first, first + length) of shuffle(concat(a, b)), inputs (a, b): ShuffleNet's channel shuffle
 SHUFFLE = LibraryCall("shuffle", ("inputs*", "attrs"), ShuffleAttrs, _EITHER, _EITHER)
+# out = act2(gate_weight act1(weight mean_hw(x) + bias) + gate_bias): a squeeze-and-excitation gate [N, C, 1, 1]
+SE_GATE = LibraryCall("se_gate", ("input", "weight", "bias", "gate_weight", "gate_bias", "attrs"), SeGateAttrs, _EITHER, _EITHER)
 
 CALLS: dict[str, LibraryCall] = {
     c.name: c
     for c in (
-        CONV2D, CONV2D_ADD, CONV2D_PRE, CONV2D_ADD_INPLACE, TO_BLOCKED, CONCAT, CONCAT_CONVS, POOL2D, SCALE_CHANNELS, DENSE, SHUFFLE
+        CONV2D, CONV2D_ADD, CONV2D_PRE, CONV2D_ADD_INPLACE, TO_BLOCKED, CONCAT, CONCAT_CONVS, POOL2D, SCALE_CHANNELS, DENSE, SHUFFLE,
+        SE_GATE,
     )
 }
 CONVS = (CONV2D, CONV2D_ADD, CONV2D_PRE)  # the conv calls Relax makes (call_dps_packed)
@@ -683,6 +714,7 @@ def records() -> dict[str, tuple[str, tuple[str, ...]]]:
         "ScaleField": ("scale_", ScaleAttrs.names()),
         "DenseField": ("dense_", DenseAttrs.names()),
         "ShuffleField": ("shuffle_", ShuffleAttrs.names()),
+        "SeGateField": ("se_", SeGateAttrs.names()),
         "MemberField": ("", ConcatSpec.FIELDS),
         "Activation": ("", tuple(ACTIVATIONS)),
         "Conv2dArg": ("conv2d_", CONV2D.roles),
@@ -745,6 +777,8 @@ __all__ = [
     "PoolAttrs",
     "SCALE_CHANNELS",
     "SHUFFLE",
+    "SE_GATE",
+    "SeGateAttrs",
     "ScaleAttrs",
     "ShuffleAttrs",
     "TO_BLOCKED",

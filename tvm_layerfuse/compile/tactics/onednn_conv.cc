@@ -89,6 +89,10 @@
 //       b's i; a, b of `channels` each); attrs: enum ShuffleField (abi.ShuffleAttrs): a, b and
 //       out each plain or nChwBc (padded where its channels are not whole blocks; out's pad
 //       channels are written 0)
+//   layerfuse.onednn.se_gate     (x, w1, b1, w2, b2, attrs, out)   out = the squeeze-and-excitation
+//       gate of x: act2(w2 act1(w1 mean_hw(x) + b1) + b2) per image, w1 [S, C, 1, 1], w2 [C, S, 1, 1]
+//       plain; attrs: enum SeGateField (abi.SeGateAttrs: x's and out's block widths, the two
+//       activations' codes, alpha and beta bits); out [N, C, 1, 1], or padded nChwBc (see SeGate)
 //   layerfuse.onednn.dense       (x, w, b, attrs, out)     out = x @ w + b: x [N, K], w [K, M], b [M]
 //       attrs: enum DenseField (abi.DenseAttrs: packed, K, M): packed 0, w plain [K, M]; else w
 //       comes packed (1-d) in the layout of the identity `packed`, as a conv's (see Weights)
@@ -178,7 +182,7 @@ float FloatBits(int64_t v) {
 // The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
 // below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
 // together and raise kAbiVersion with abi.ABI_VERSION.
-constexpr int64_t kAbiVersion = 7;
+constexpr int64_t kAbiVersion = 8;
 
 // ConvAttrs: a conv's attrs
 enum ConvField : int {
@@ -197,6 +201,11 @@ enum ToBlockedField : int { kBlock, kToBlockedFieldCount };
 enum ScaleField : int { kScaleBlock, kScaleFieldCount };
 // DenseAttrs: dense's attrs
 enum DenseField : int { kDensePacked, kDenseK, kDenseM, kDenseFieldCount };
+// SeGateAttrs: se_gate's attrs
+enum SeGateField : int {
+  kSeBlock, kSeDstBlock, kSeSqueezeAct, kSeSqueezeAlphaBits, kSeSqueezeBetaBits, kSeGateAct, kSeGateAlphaBits,
+  kSeGateBetaBits, kSeFieldCount
+};
 // ShuffleAttrs: shuffle's attrs
 enum ShuffleField : int {
   kShuffleChannels, kShuffleFirst, kShuffleLength, kShuffleLeftBlock, kShuffleRightBlock, kShuffleDstBlock, kShuffleFieldCount
@@ -1058,7 +1067,7 @@ int64_t PixelBlock(const dnnl::memory::desc& md) {
 }
 
 // rows [N] of C floats from `from` (row stride cf) to `to` (row stride ct); a padded row's
-// tail (ct > C) is left as it is: the reorder buffers' padding stays zero from their making
+// tail (ct > C) is left as it is: the reorder buffers are zeroed when made (ThreadBuffers)
 void CopyPixels(const float* from, int64_t cf, float* to, int64_t ct, int64_t N, int64_t C) {
   for (int64_t n = 0; n < N; ++n) std::memcpy(to + n * ct, from + n * cf, sizeof(float) * C);
 }
@@ -1180,8 +1189,11 @@ Buffers& ThreadBuffers(const Layer& layer) {
   if (it == buffers->end()) {
     Buffers b;
     const dnnl::engine& e = Engine();
+    // zeroed once: CopyPixels writes only the channels, and a kernel reads the pad channels too
     if (layer.src_reorder) b.src = dnnl::memory(layer.kernel.src_md, e);
     if (layer.dst_reorder) b.dst = dnnl::memory(layer.kernel.dst_md, e);
+    if (layer.src_reorder) std::memset(b.src.get_data_handle(), 0, layer.kernel.src_md.get_size());
+    if (layer.dst_reorder) std::memset(b.dst.get_data_handle(), 0, layer.kernel.dst_md.get_size());
     b.x = Wrapper(layer.src_reorder ? b.src : dnnl::memory(layer.kernel.src_md, e, nullptr));
     b.out = Wrapper(layer.dst_reorder ? b.dst : dnnl::memory(layer.kernel.dst_md, e, nullptr));
     b.bias = Wrapper(dnnl::memory(layer.kernel.bias_md, e, nullptr));
@@ -1396,6 +1408,122 @@ void ScaleChannels(TensorView x, TensorView g, Shape attrs, TensorView out) {
 
 // Channel c of one image of hw pixels, NCHW or nChwBc (padded or not): where its pixel 0 lies,
 // and the distance between its pixels.
+// The squeeze-and-excitation gate (MobileNetV3's, EfficientNet's): one call for what would be
+// four - the global average of x, two 1x1 convs on [N, C, 1, 1] and their activations -
+// with s = mean over H x W of x, per image and channel:
+//
+//   h = act1(w1 s + b1)   (S values)      g = act2(w2 h + b2)   (C values)
+//
+// x in NCHW or nChwBc (attrs' block; padded: its type [N, ceilB(C), H, W]); out [N, Co, 1, 1]
+// with Co = C, or ceilB(C) in padded nChwBc (dst_block), where channel c of image n lies at
+// n * Co + c either way (one pixel), the pad channels written 0. The activations are those of a
+// conv's attrs (kActivations' codes, alpha and beta), computed in float. The averages, then the
+// rows of each product (dot products in 16 partial sums), are spread over OpenMP's threads in
+// one parallel region, where the gate has enough work for it.
+float Activate(int64_t act, float alpha, float beta, float v) {
+  switch (act) {
+    case kNone: return v;
+    case kRelu: return v > 0.f ? v : alpha * v;
+    case kClip: return std::min(std::max(v, alpha), beta);
+    case kSilu: return v / (1.f + std::exp(-v));
+    case kSigmoid: return 1.f / (1.f + std::exp(-v));
+    case kHardswish: return v * std::min(std::max(v + 3.f, 0.f), 6.f) / 6.f;
+    case kHardsigmoid: return std::min(std::max(alpha * v + beta, 0.f), 1.f);
+    case kGeluErf: return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+    case kGeluTanh: return 0.5f * v * (1.f + std::tanh(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+  }
+  TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << act;
+}
+
+// s[0:B] = the sums over hw pixels of one B-channel block of nChwBc (x: the block's first float)
+template <int B>
+LAYERFUSE_CLONES void SumBlockOf(const float* __restrict x, int64_t hw, float* __restrict s) {
+  float acc[B] = {};
+  for (int64_t p = 0; p < hw; ++p)
+    for (int l = 0; l < B; ++l) acc[l] += x[p * B + l];
+  for (int l = 0; l < B; ++l) s[l] = acc[l];
+}
+void SumBlock(const float* x, int64_t hw, int64_t block, float* s) {
+  if (block == 16) {
+    SumBlockOf<16>(x, hw, s);
+  } else {
+    SumBlockOf<8>(x, hw, s);
+  }
+}
+
+// the dot product of a[0:n] and b[0:n], in 16 partial sums (vectorised)
+LAYERFUSE_CLONES float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[16] = {};
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += a[p + l] * b[p + l];
+  float total = 0.f;
+  for (int l = 0; l < 16; ++l) total += acc[l];
+  for (; p < n; ++p) total += a[p] * b[p];
+  return total;
+}
+
+LAYERFUSE_CLONES float SumChannel(const float* __restrict x, int64_t hw) {
+  float acc[16] = {};
+  int64_t p = 0;
+  for (; p + 16 <= hw; p += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += x[p + l];
+  float total = 0.f;
+  for (int l = 0; l < 16; ++l) total += acc[l];
+  for (; p < hw; ++p) total += x[p];
+  return total;
+}
+
+void SeGate(TensorView x, TensorView w1, TensorView b1, TensorView w2, TensorView b2, Shape attrs, TensorView out) {
+  for (const auto& [t, what, nd] : {std::make_tuple(&x, "input", 4), std::make_tuple(&w1, "squeeze weight", 4),
+                                    std::make_tuple(&b1, "squeeze bias", 1), std::make_tuple(&w2, "gate weight", 4),
+                                    std::make_tuple(&b2, "gate bias", 1), std::make_tuple(&out, "gate", 4)})
+    CheckTensor(*t, nd, what);
+  if (attrs.size() != kSeFieldCount)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.se_gate: attrs must have " << kSeFieldCount << " entries, got " << attrs.size();
+  const int64_t block = attrs[kSeBlock], dst_block = attrs[kSeDstBlock];
+  CheckBlock(block);
+  CheckBlock(dst_block);
+  const int64_t S = w1.shape()[0], C = w1.shape()[1], N = x.shape()[0], HW = x.shape()[2] * x.shape()[3];
+  const int64_t Cx = block ? RoundUp(C, block) : C, Co = dst_block ? RoundUp(C, dst_block) : C;
+  if (w1.shape()[2] * w1.shape()[3] != 1 || w2.shape()[0] != C || w2.shape()[1] != S || w2.shape()[2] * w2.shape()[3] != 1 ||
+      b1.numel() != S || b2.numel() != C)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.se_gate: weights must be [S, C, 1, 1] and [C, S, 1, 1], biases [S] and [C]";
+  if (x.shape()[1] != Cx || out.shape()[0] != N || out.shape()[1] != Co || out.shape()[2] * out.shape()[3] != 1)
+    TVM_FFI_THROW(ValueError) << "layerfuse.onednn.se_gate: input [N, " << Cx << ", H, W] and gate [N, " << Co
+                              << ", 1, 1] expected for " << C << " channels in these layouts";
+  for (int64_t code : {attrs[kSeSqueezeAct], attrs[kSeGateAct]})
+    if (code < 0 || code >= kActivationCount) TVM_FFI_THROW(ValueError) << "layerfuse.onednn: unknown activation code " << code;
+  const float* xp = Data(x);
+  float* g = const_cast<float*>(Data(out));
+  std::vector<float> s(N * Cx), h(S);
+  const int64_t step = block ? block : 1, units = N * Cx / step;
+  const float* W1 = Data(w1);
+  const float* W2 = Data(w2);
+  const float inv = 1.f / static_cast<float>(HW);
+  const float a1 = FloatBits(attrs[kSeSqueezeAlphaBits]), c1 = FloatBits(attrs[kSeSqueezeBetaBits]);
+  const float a2 = FloatBits(attrs[kSeGateAlphaBits]), c2 = FloatBits(attrs[kSeGateBetaBits]);
+#pragma omp parallel if (N * (Cx * HW + 2 * S * C) >= 65536)
+  {
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+      if (block) {
+        SumBlock(xp + u * step * HW, HW, block, s.data() + u * step);
+      } else {
+        s[u] = SumChannel(xp + u * HW, HW);
+      }
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const float* sn = s.data() + n * Cx;
+#pragma omp for schedule(static)
+      for (int64_t j = 0; j < S; ++j) h[j] = Activate(attrs[kSeSqueezeAct], a1, c1, Dot(W1 + j * C, sn, C) * inv + Data(b1)[j]);
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < Co; ++c)
+        g[n * Co + c] = c < C ? Activate(attrs[kSeGateAct], a2, c2, Dot(W2 + c * S, h.data(), S) + Data(b2)[c]) : 0.f;
+    }
+  }
+}
+
 struct Plane {
   int64_t start, step;
   Plane(int64_t c, int64_t hw, int64_t block)
@@ -2220,6 +2348,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Function::SetGlobal("layerfuse.onednn.dense", Function::FromTyped(layerfuse_onednn::Dense), true);
   Function::SetGlobal("layerfuse.onednn.scale_channels", Function::FromTyped(layerfuse_onednn::ScaleChannels), true);
   Function::SetGlobal("layerfuse.onednn.shuffle", Function::FromTyped(layerfuse_onednn::Shuffle), true);
+  Function::SetGlobal("layerfuse.onednn.se_gate", Function::FromTyped(layerfuse_onednn::SeGate), true);
   Function::SetGlobal("layerfuse.onednn.dense_implementation", Function::FromTyped(layerfuse_onednn::DenseImplementation),
                       true);
   Function::SetGlobal("layerfuse.onednn.pool_implementation", Function::FromTyped(layerfuse_onednn::PoolImplementation),

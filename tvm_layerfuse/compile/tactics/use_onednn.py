@@ -42,7 +42,8 @@ own, applied per Relax function in this order):
   :func:`.onednn_scale.channel_scales` (squeeze-and-excitation gates of library tensors,
   ``scale:<var>``), ``pools_and_concats`` (pools and concats that read oneDNN tensors),
   ``assign_layouts`` (``nChw16c`` / ``nChw8c``, the block width of this CPU's kernels, between
-  library calls);
+  library calls), :func:`.onednn_se.squeeze_excitations` (a gate's pool and two one-pixel convs
+  as one ``se_gate`` call, ``se:<var>``);
 - :mod:`.onednn_inplace`: ``prologues_read_pieces`` (DenseNet's concats never materialised),
   ``concats_in_place`` (convs write their channel ranges of a concat), ``residuals_in_place``
   (a residual conv writes into its residual's buffer);
@@ -101,6 +102,7 @@ from .choice import LayerChoice
 from .onednn_inplace import concats_in_place, prologues_read_pieces, residuals_in_place
 from .onednn_layout import assign_layouts, dense_layers, merge_splits, pools_and_concats
 from .onednn_scale import channel_scales
+from .onednn_se import squeeze_excitations
 from .onednn_shuffle import channel_shuffles
 from .oracle import LibraryOracle, Oracle, current_oracle, use_oracle
 from .tvm_pools import pools_on_tvm
@@ -209,7 +211,8 @@ class UseOneDNNConv:
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
                 func = channel_scales(dense_layers(func, self.layers), self.layers)
-                mod[gv] = assign_layouts(pools_and_concats(func, self.layers), self.layers)
+                func = assign_layouts(pools_and_concats(func, self.layers), self.layers)
+                mod[gv] = squeeze_excitations(func, self.layers)
         for gv, func in relax_functions(mod):
             if not is_primitive(func):
                 if self.pieces:

@@ -4,10 +4,11 @@ Relax type, so nothing in the IR stops a later pass, or a TVM kernel, from readi
 bytes as NCHW. This check walks each function after the rewrites and finds every such value:
 
 * made blocked by a library call whose block widths say so (a conv's ``dst_block`` for each
-  output, a pool's or a channel scale's ``block``, a shuffle's ``dst_block``, ``to_blocked``'s ``block``, a ``concat_convs`` block's
+  output, a pool's or a channel scale's ``block``, a shuffle's or a squeeze-and-excitation
+  gate's ``dst_block``, ``to_blocked``'s ``block``, a ``concat_convs`` block's
   ``block``, a ``concat`` of blocked pieces, a residual conv in place over a blocked residual);
 * read only where the reader's widths say that same layout: a conv's input (``src_block``),
-  its residual (the dst layout), a pool's or a channel scale's input (``block``), a shuffle's
+  its residual (the dst layout), a pool's, a channel scale's or a gate's input (``block``), a shuffle's
   two inputs (``left_block``, ``right_block``), a concat's pieces (all alike), a
   copy member of a ``concat_convs`` block (the block's layout);
 
@@ -116,7 +117,7 @@ def layout_of_call(bound: abi.Bound, var, layout: dict, expect, problems: list) 
     """Check what library call ``bound`` (bound to ``var``) reads, and record what it makes."""
     call, args, attrs = bound.call, bound.args, bound.attrs
     reader = f"{var.name} ({call.key})"
-    for role in ("scale", "shift", "weight", "bias"):
+    for role in ("scale", "shift", "weight", "bias", "gate_weight", "gate_bias"):
         if getattr(args, role) is not None:
             expect(getattr(args, role), PLAIN, f"{reader}'s {role}")
     if call.conv:
@@ -131,6 +132,9 @@ def layout_of_call(bound: abi.Bound, var, layout: dict, expect, problems: list) 
     elif call in (abi.POOL2D, abi.SCALE_CHANNELS):
         expect(args.input, _flag(attrs.block), reader)
         layout[var] = _flag(attrs.block)
+    elif call is abi.SE_GATE:
+        expect(args.input, _flag(attrs.block), reader)
+        layout[var] = _flag(attrs.dst_block)
     elif call is abi.SHUFFLE:
         for x, block in zip(args.inputs, (attrs.left_block, attrs.right_block)):
             expect(x, _flag(block), reader)
