@@ -1409,7 +1409,7 @@ void ScaleChannels(TensorView x, TensorView g, Shape attrs, TensorView out) {
 // Channel c of one image of hw pixels, NCHW or nChwBc (padded or not): where its pixel 0 lies,
 // and the distance between its pixels.
 // The squeeze-and-excitation gate (MobileNetV3's, EfficientNet's): one call for what would be
-// four - the global average of x, two 1x1 convs on [N, C, 1, 1] and their activations -
+// three - the global average of x and two 1x1 convs on [N, C, 1, 1] with their activations -
 // with s = mean over H x W of x, per image and channel:
 //
 //   h = act1(w1 s + b1)   (S values)      g = act2(w2 h + b2)   (C values)
