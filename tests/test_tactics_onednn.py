@@ -255,7 +255,7 @@ def test_a_one_pixel_conv_between_layouts_matches_numpy(src_blocked, residual):
     w = rng.standard_normal((40, 24, 1, 1)).astype(np.float32)
     b = rng.standard_normal(40).astype(np.float32)
     attrs = ConvAttrs.make(strides=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1, act="relu").replace(
-        layer=5, src_block=block if src_blocked else 0, dst_block=0 if src_blocked else block
+        src_block=block if src_blocked else 0, dst_block=0 if src_blocked else block
     )
     for layer in (5, 6):  # each a new layer, its buffers made where NaN-filled memory was just freed
         dirty = [tvm.runtime.tensor(np.full((2, n, 1, 1), np.nan, np.float32)) for n in (24, 32, 40, 48) for _ in range(8)]

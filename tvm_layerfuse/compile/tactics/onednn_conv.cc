@@ -1406,8 +1406,6 @@ void ScaleChannels(TensorView x, TensorView g, Shape attrs, TensorView out) {
   }
 }
 
-// Channel c of one image of hw pixels, NCHW or nChwBc (padded or not): where its pixel 0 lies,
-// and the distance between its pixels.
 // The squeeze-and-excitation gate (MobileNetV3's, EfficientNet's): one call for what would be
 // three - the global average of x and two 1x1 convs on [N, C, 1, 1] with their activations -
 // with s = mean over H x W of x, per image and channel:
@@ -1524,6 +1522,8 @@ void SeGate(TensorView x, TensorView w1, TensorView b1, TensorView w2, TensorVie
   }
 }
 
+// Channel c of one image of hw pixels, NCHW or nChwBc (padded or not): where its pixel 0 lies,
+// and the distance between its pixels.
 struct Plane {
   int64_t start, step;
   Plane(int64_t c, int64_t hw, int64_t block)

@@ -76,7 +76,7 @@ def squeeze_excitations(func: relax.Function, layers: list) -> relax.Function:
     calls = {b.var: abi.parse_call(b.value) for b in bindings}
     values = {b.var: b.value for b in bindings}
     uses = use_counts(func)
-    chosen, absorbed = {}, {}
+    chosen, by_conv, by_pool = {}, {}, {}  # the gate running each absorbed conv (by layer id) and pool (by choice name)
     for b in bindings:
         scale = calls[b.var]
         if scale is None or scale.call is not abi.SCALE_CHANNELS:
@@ -108,14 +108,15 @@ def squeeze_excitations(func: relax.Function, layers: list) -> relax.Function:
         )
         chosen[values[g]] = (abi.SE_GATE.name, abi.SE_GATE.flatten(args), g.ty)
         gate = f"se:{g.name}"
-        absorbed.update({squeeze.attrs.layer: gate, excite.attrs.layer: gate, f"pool:{p.name}": gate})
+        by_conv.update({squeeze.attrs.layer: gate, excite.attrs.layer: gate})
+        by_pool[f"pool:{p.name}"] = gate
         s = static_shape(squeeze.args.weight)
         layers.append(LayerChoice(gate, TACTIC, kernel=KERNEL, shape=f"x{list(static_shape(x))} squeeze {s[0]}",
                                   layout=abi.layout_name(attrs.block)))
     if not chosen:
         return func
     for i, c in enumerate(layers):
-        by = absorbed.get(c.id if c.tactic == "onednn" and c.id >= 0 else c.layer)
-        if by is not None and c.layer != by:
+        by = by_conv.get(c.id) if c.tactic == "onednn" and c.id >= 0 else by_pool.get(c.layer)
+        if by is not None:
             layers[i] = dataclasses.replace(c, tactic=TACTIC, kernel=KERNEL, reason=f"in the squeeze-and-excitation gate {by}")
     return relax.analysis.remove_all_unused(ReplaceCalls(chosen).visit_expr(func))
