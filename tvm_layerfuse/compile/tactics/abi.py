@@ -46,13 +46,14 @@ import struct
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
-ABI_VERSION = 8  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
+ABI_VERSION = 9  # 1: the positional contract before this module; 2: concat_convs members carry their argument count;
 # 3: block widths (0 plain, 8 nChw8c, 16 nChw16c) where 0/1 blocked flags were, to_blocked takes (block,);
 # 4: a conv's weights may come packed (ConvAttrs.packed and the weight dims); dense takes attrs (DenseAttrs)
 # 5: scale_channels (a squeeze-and-excitation gate in the convs' layout)
 # 6: conv algorithms 2 and 3, the library's own Winograd kernels (AVX2)
 # 7: shuffle (a channel range of ShuffleNet's two-group channel shuffle of a concatenation)
 # 8: se_gate (a squeeze-and-excitation gate: the global average and the two 1x1 convs in one call)
+# 9: the library's Winograd kernels (algorithms 2 and 3) on nChw16c too, with AVX-512
 
 NAMESPACE = "layerfuse.onednn."
 BLOCK_WIDTHS = (0, 8, 16)  # a blocked layout's channels per block (nChw8c, nChw16c); 0: plain NCHW
@@ -60,12 +61,12 @@ DST_BLOCK_BITS = 5  # a conv's dst_block: output j's block width in bits [5j, 5j
 MAX_BLOCKED_OUTPUTS = 64 // DST_BLOCK_BITS - 1  # 11: outputs beyond stay plain
 
 # a conv's algorithm: oneDNN's direct kernels, oneDNN's Winograd (AVX-512 in oneDNN 2.6), or the
-# library's Winograd kernels (AVX2): output tiles of 2 along each axis its kernel spans (3x3,
-# 5x5, 1x7, 7x1, 1x3, 3x1) or of 4x4 (3x3). A layer they do not fit runs direct, and
-# `implementation` names the kernel that runs: ``winograd_<tile>_<kernel>`` + OWN_WINOGRAD_SUFFIX
-# where it is the library's
+# library's Winograd kernels (AVX2 on nChw8c, AVX-512 on nChw16c): output tiles of 2 along each
+# axis its kernel spans (3x3, 5x5, 1x7, 7x1, 1x3, 3x1) or of 4x4 (3x3). A layer they do not fit
+# runs direct, and `implementation` names the kernel that runs: ``winograd_<tile>_<kernel>`` +
+# the suffix of its ISA (OWN_WINOGRAD_SUFFIXES, by block width) where it is the library's
 CONV_ALGORITHMS = {"direct": 0, "winograd": 1, "own_winograd": 2, "own_winograd_4x4": 3}
-OWN_WINOGRAD_SUFFIX = ":layerfuse_avx2"
+OWN_WINOGRAD_SUFFIXES = {8: ":layerfuse_avx2", 16: ":layerfuse_avx512"}
 # a conv whose SiLU the library applies in its own pass after oneDNN's kernel (no swish post-op):
 # `implementation` ends with this
 OWN_SILU_SUFFIX = "+silu:layerfuse"
@@ -74,7 +75,7 @@ OWN_WINOGRAD_KERNELS = {(3, 3): (2, 3), (5, 5): (2,), (1, 7): (2,), (7, 1): (2,)
 
 def is_own_winograd(kernel: str) -> bool:
     """Whether an ``implementation`` answer is one of the library's Winograd kernels."""
-    return kernel.startswith("winograd_") and kernel.endswith(OWN_WINOGRAD_SUFFIX)
+    return kernel.startswith("winograd_") and kernel.endswith(tuple(OWN_WINOGRAD_SUFFIXES.values()))
 
 
 def dst_block(widths: Sequence[int]) -> int:

@@ -50,6 +50,7 @@ from . import abi
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
+SOURCE_INCLUDES = (Path(__file__).with_name("onednn_winograd.inc"),)  # what SOURCE #includes from beside it
 SONAME = "libdnnl.so.2"
 PYPI_RUNTIME = "onednn-cpu-gomp==2022.2.1"  # oneDNN 2.6.0: libdnnl.so.2 (GNU OpenMP)
 PYPI_DEVEL = "onednn-devel-cpu-gomp==2022.2.1"  # + the headers
@@ -174,8 +175,8 @@ def build_extension() -> Path:
     import tvm_ffi
     import tvm_ffi.cpp
 
-    # the cache key: the source, the oneDNN it links, tvm-ffi (its headers and ABI), the flags, the ABI version
-    key = SOURCE.read_bytes() + repr((str(found.lib_dir), found.version, tvm_ffi.__version__, _FLAGS, abi.ABI_VERSION)).encode()
+    # the cache key: the source (and what it includes), the oneDNN it links, tvm-ffi (its headers and ABI), the flags, the ABI version
+    key = SOURCE.read_bytes() + b"".join(p.read_bytes() for p in SOURCE_INCLUDES) + repr((str(found.lib_dir), found.version, tvm_ffi.__version__, _FLAGS, abi.ABI_VERSION)).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("TVM_LAYERFUSE_CACHE", Path.home() / ".cache" / "tvm_layerfuse")) / f"onednn-{digest}"
     out = cache / "layerfuse_onednn.so"

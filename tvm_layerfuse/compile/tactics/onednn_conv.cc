@@ -182,7 +182,7 @@ float FloatBits(int64_t v) {
 // The calling contract (tvm_layerfuse/compile/tactics/abi.py): the field order of each record
 // below is that of its Python dataclass, checked by tests/test_tactics_abi.py. Change both
 // together and raise kAbiVersion with abi.ABI_VERSION.
-constexpr int64_t kAbiVersion = 8;
+constexpr int64_t kAbiVersion = 9;
 
 // ConvAttrs: a conv's attrs
 enum ConvField : int {
@@ -424,10 +424,11 @@ int64_t ThreadSteady(Id here, F layout_id) {
 // c rounded up to a multiple of block
 int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * block; }
 
-// Winograd. oneDNN 2.6 has Winograd kernels for AVX-512 only; on AVX2 a stride-1 conv may run
+// Winograd. oneDNN 2.6 has Winograd kernels for 3x3 on AVX-512 only; a stride-1 conv may run
 // this library's Winograd kernel instead (algorithm 2: output tiles of 2 along each axis the
 // kernel spans, 3: 4x4 tiles, 3x3 only), chosen per layer by timing at compile time as
-// oneDNN's is. Along one axis, F(m, r) makes m outputs of an r-tap filter g from a = m + r - 1
+// oneDNN's is: on AVX2 for any of its kernel shapes, on AVX-512 for those oneDNN has no
+// Winograd for (5x5, 1x7, 7x1, 1x3, 3x1). Along one axis, F(m, r) makes m outputs of an r-tap filter g from a = m + r - 1
 // inputs d with a multiplies instead of m r:
 //   y = AT [ (G g) .* (BT d) ]        (AT: m x a, G: a x r, BT: a x a; Cook-Toom, points
 //                                      0, 1, -1, 2, -2, 1/2, -1/2 as many as needed, and oo)
@@ -437,18 +438,18 @@ int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * blo
 // matrix product: M[xi] (tiles x K) = V[xi] (tiles x C) U[xi] (C x K). The forms: F(2x2, 3x3)
 // (16 multiplies per 4 outputs instead of 36), F(4x4, 3x3) (36 per 16 instead of 144),
 // F(2x2, 5x5), and the 1-d F(2, 7) and F(2, 3) of 1x7 / 7x1 and 1x3 / 3x1 convs (Inception's).
-// Activations are nChw8c (eight channels: one AVX2 vector). Each task - up to kWinoTiles tiles
-// times kWinoPanel output channels - forms its products (a 6x16 register-blocked kernel) and
-// transforms them back into y with the bias, the residual (y's bytes before the call: the sum
-// post-op) and the activation; the input transform of its tiles runs in the task (large
-// images) or for all tiles first (small ones, see RunWinograd). A conv fits where C and K are
-// multiples of 8, groups, strides and dilations are 1, src and dst are nChw8c or plain
-// (reordered as for any primitive), the activation is none, relu or clip, and the CPU has AVX2
-// and FMA. Its weights U [ah aw][K/16][C][16] (zero past K) are packed like a primitive's
-// (WinoPack): ah aw C K floats (K rounded up to 16).
-constexpr int64_t kWinoBlock = 8;   // the activations' channel block
-constexpr int64_t kWinoPanel = 16;  // output channels per panel of U (two vectors)
-constexpr int64_t kWinoTiles = 48;  // tiles per task
+// Activations are nChwBc with B one vector of the ISA the kernel is compiled for (the same code
+// twice, onednn_winograd.inc): nChw8c with AVX2, nChw16c with AVX-512. Each task - up to
+// kWinoTiles tiles times a panel of 2B output channels - forms its products (a 6 x 16
+// register-blocked kernel with AVX2, 12 x 32 with AVX-512) and transforms them back into y with
+// the bias, the residual (y's bytes before the call: the sum post-op) and the activation; the
+// input transform of its tiles runs in the task (large images) or for all tiles first (small
+// ones, see RunWinograd). A conv fits where C and K are multiples of B, groups, strides and
+// dilations are 1, src and dst are nChwBc or plain (reordered as for any primitive; both plain:
+// B is the widest this CPU runs), the activation is none, relu or clip, and the CPU has the ISA
+// (AVX2 and FMA; AVX-512F). Its weights U [ah aw][K/2B][C][2B] (zero past K) are packed like a
+// primitive's (WinoPack): ah aw C K floats (K rounded up to 2B).
+constexpr int64_t kWinoTiles = 48;  // tiles per task (a multiple of both products' rows)
 
 // One axis: F(m, r) (the matrices verified exact in rational arithmetic)
 struct AxisF1 {  // no filter along this axis (a 1-d kernel's other axis)
@@ -503,11 +504,13 @@ struct AxisF27 {
 };
 
 struct Wino;
-struct WinoForm {  // one kernel shape's Winograd form and its code
+struct WinoForm {  // one kernel shape's Winograd form and its code for one ISA
   int64_t mh, mw, ah, aw;
-  const char* impl;  // what `implementation` reports
+  int64_t block, panel;  // the activations' channel block (one vector), output channels per panel of U (two)
+  const char* impl;      // what `implementation` reports
   void (*input)(const Wino&, const float*, float*, int64_t, int64_t, int64_t);
   void (*output)(const Wino&, const float*, int64_t, int64_t, int64_t, int64_t, const float*, bool, float*);
+  void (*product)(const float*, int64_t, const float*, int64_t, float*, int64_t);
   void (*pack)(const Wino&, const float*, float*);
 };
 
@@ -520,15 +523,15 @@ struct Wino {
   int64_t TH() const { return (OH + form->mh - 1) / form->mh; }
   int64_t TW() const { return (OW + form->mw - 1) / form->mw; }
   int64_t T() const { return N * TH() * TW(); }
-  int64_t Panels() const { return (K + kWinoPanel - 1) / kWinoPanel; }
-  int64_t PackedFloats() const { return Positions() * Panels() * C * kWinoPanel; }
+  int64_t Panels() const { return (K + form->panel - 1) / form->panel; }
+  int64_t PackedFloats() const { return Positions() * Panels() * C * form->panel; }
 };
 
-// U[xi][K/16][C][16] = (Gh g Gw^T)[xi] of plain weights g [K, C, rh, rw] (in double; zero past K)
+// U[xi][K/panel][C][panel] = (Gh g Gw^T)[xi] of plain weights g [K, C, rh, rw] (in double; zero past K)
 template <class H, class W>
 void WinoPack(const Wino& s, const float* g, float* u) {
   std::memset(u, 0, sizeof(float) * s.PackedFloats());
-  const int64_t P = s.Panels();
+  const int64_t P = s.Panels(), panel = s.form->panel;
   for (int64_t k = 0; k < s.K; ++k)
     for (int64_t c = 0; c < s.C; ++c) {
       const float* f = g + (k * s.C + c) * H::r * W::r;
@@ -541,164 +544,26 @@ void WinoPack(const Wino& s, const float* g, float* u) {
           for (int q = 0; q < W::r; ++q) v[i][j] += t[i][q] * double(W::G[j][q]);
       for (int i = 0; i < H::a; ++i)
         for (int j = 0; j < W::a; ++j)
-          u[(((i * W::a + j) * P + k / kWinoPanel) * s.C + c) * kWinoPanel + k % kWinoPanel] = static_cast<float>(v[i][j]);
+          u[(((i * W::a + j) * P + k / panel) * s.C + c) * panel + k % panel] = static_cast<float>(v[i][j]);
     }
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define LAYERFUSE_AVX2 __attribute__((target("avx2,fma")))
-
-// sum_j c[j] x[j * stride]: the terms of zero coefficients dropped, +-1 as adds (the loop is
-// unrolled, so each test is decided at compile time)
-template <int N>
-LAYERFUSE_AVX2 inline __m256 WinoCombine(const float (&c)[N], const __m256* x, int stride) {
-  __m256 acc = _mm256_setzero_ps();
-  bool first = true;
-#pragma GCC unroll 8
-  for (int j = 0; j < N; ++j) {
-    const float k = c[j];
-    if (k == 0.f) continue;
-    const __m256 t = x[j * stride];
-    if (first) {
-      acc = k == 1.f ? t : _mm256_mul_ps(_mm256_set1_ps(k), t);
-    } else if (k == 1.f) {
-      acc = _mm256_add_ps(acc, t);
-    } else if (k == -1.f) {
-      acc = _mm256_sub_ps(acc, t);
-    } else {
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(k), t, acc);
-    }
-    first = false;
-  }
-  return acc;
-}
-
-// V[xi][t][c] = (BTh d BTw^T)[xi] of tiles [t0, t1) (v: V's row t0; ld: floats between two xi)
-template <class H, class W>
-LAYERFUSE_AVX2 void WinoInput(const Wino& s, const float* x, float* v, int64_t t0, int64_t t1, int64_t ld) {
-  const int64_t TH = s.TH(), TW = s.TW(), CB = s.C / kWinoBlock;
-  const __m256 zero = _mm256_setzero_ps();
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t n = t / (TH * TW), y0 = t / TW % TH * H::m - s.pt, x0 = t % TW * W::m - s.pl;
-    const bool inside = y0 >= 0 && x0 >= 0 && y0 + H::a <= s.H && x0 + W::a <= s.W;
-    for (int64_t cb = 0; cb < CB; ++cb) {
-      const float* base = x + (n * CB + cb) * s.H * s.W * kWinoBlock;
-      __m256 d[H::a][W::a], r[H::a][W::a];
-#pragma GCC unroll 8
-      for (int i = 0; i < H::a; ++i)
-#pragma GCC unroll 8
-        for (int j = 0; j < W::a; ++j) {
-          const int64_t yy = y0 + i, xx = x0 + j;
-          d[i][j] = inside || (yy >= 0 && yy < s.H && xx >= 0 && xx < s.W) ? _mm256_loadu_ps(base + (yy * s.W + xx) * kWinoBlock)
-                                                                           : zero;
-        }
-#pragma GCC unroll 8
-      for (int i = 0; i < H::a; ++i)  // BTh d
-#pragma GCC unroll 8
-        for (int j = 0; j < W::a; ++j) r[i][j] = WinoCombine<H::a>(H::BT[i], &d[0][j], W::a);
-      float* o = v + (t - t0) * s.C + cb * kWinoBlock;
-#pragma GCC unroll 8
-      for (int i = 0; i < H::a; ++i)  // (BTh d) BTw^T
-#pragma GCC unroll 8
-        for (int j = 0; j < W::a; ++j) _mm256_storeu_ps(o + (i * W::a + j) * ld, WinoCombine<W::a>(W::BT[j], &r[i][0], 1));
-    }
-  }
-}
-
-// y (tiles [t0, t1), output channels [k0, k0 + kn)) = act(ATh m ATw^T + bias [+ y]), m[xi][tiles][16]
-template <class H, class W>
-LAYERFUSE_AVX2 void WinoOutput(const Wino& s, const float* m, int64_t t0, int64_t t1, int64_t k0, int64_t kn,
-                               const float* bias, bool residual, float* y) {
-  const int64_t TH = s.TH(), TW = s.TW(), KB = s.K / kWinoBlock, ldm = (t1 - t0) * kWinoPanel;
-  const __m256 zero = _mm256_setzero_ps(), alpha = _mm256_set1_ps(s.alpha), beta = _mm256_set1_ps(s.beta);
-  for (int64_t kk = 0; kk < kn; kk += kWinoBlock) {
-    const __m256 b = _mm256_loadu_ps(bias + k0 + kk);
-    const int64_t kb = (k0 + kk) / kWinoBlock;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t / (TH * TW), th = t / TW % TH, tw = t % TW;
-      const float* mt = m + (t - t0) * kWinoPanel + kk;
-      __m256 p[H::a][W::a], a[H::m][W::a];
-#pragma GCC unroll 8
-      for (int i = 0; i < H::a; ++i)
-#pragma GCC unroll 8
-        for (int j = 0; j < W::a; ++j) p[i][j] = _mm256_loadu_ps(mt + (i * W::a + j) * ldm);
-#pragma GCC unroll 4
-      for (int i = 0; i < H::m; ++i)  // ATh m
-#pragma GCC unroll 8
-        for (int j = 0; j < W::a; ++j) a[i][j] = WinoCombine<H::a>(H::AT[i], &p[0][j], W::a);
-      float* out = y + (n * KB + kb) * s.OH * s.OW * kWinoBlock;
-#pragma GCC unroll 4
-      for (int i = 0; i < H::m; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < W::m; ++j) {  // (ATh m) ATw^T
-          const int64_t oy = th * H::m + i, ox = tw * W::m + j;
-          if (oy >= s.OH || ox >= s.OW) continue;
-          float* o = out + (oy * s.OW + ox) * kWinoBlock;
-          __m256 z = _mm256_add_ps(WinoCombine<W::a>(W::AT[j], &a[i][0], 1), b);
-          if (residual) z = _mm256_add_ps(z, _mm256_loadu_ps(o));
-          if (s.act == kRelu)  // negative slope alpha
-            z = _mm256_add_ps(_mm256_max_ps(z, zero), _mm256_mul_ps(alpha, _mm256_min_ps(z, zero)));
-          else if (s.act == kClip)
-            z = _mm256_min_ps(_mm256_max_ps(z, alpha), beta);
-          _mm256_storeu_ps(o, z);
-        }
-    }
-  }
-}
-
-// m[R][16] = v[R][C] (rows ldv apart) @ u[C][16]: R x 2 vectors of accumulators
-template <int R>
-LAYERFUSE_AVX2 void WinoProductRows(const float* v, int64_t ldv, const float* u, int64_t C, float* m) {
-  __m256 acc[R][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    const __m256 u0 = _mm256_loadu_ps(u + c * kWinoPanel), u1 = _mm256_loadu_ps(u + c * kWinoPanel + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(v + r * ldv + c);
-      acc[r][0] = _mm256_fmadd_ps(a, u0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, u1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(m + r * kWinoPanel, acc[r][0]);
-    _mm256_storeu_ps(m + r * kWinoPanel + 8, acc[r][1]);
-  }
-}
-
-void WinoProduct(const float* v, int64_t ldv, const float* u, int64_t C, float* m, int64_t rows) {
-  int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) WinoProductRows<6>(v + r * ldv, ldv, u, C, m + r * kWinoPanel);
-  v += r * ldv;
-  m += r * kWinoPanel;
-  switch (rows - r) {
-    case 5: WinoProductRows<5>(v, ldv, u, C, m); break;
-    case 4: WinoProductRows<4>(v, ldv, u, C, m); break;
-    case 3: WinoProductRows<3>(v, ldv, u, C, m); break;
-    case 2: WinoProductRows<2>(v, ldv, u, C, m); break;
-    case 1: WinoProductRows<1>(v, ldv, u, C, m); break;
-    default: break;
-  }
 }
 
 // The products and output transform of tiles [t0, t0 + rows) and panel p, from their V rows
-// (v: row t0 of position 0; ld: floats between two positions), through m (xi x rows x 16).
+// (v: row t0 of position 0; ld: floats between two positions), through m (xi x rows x panel).
 void WinoTask(const Wino& s, const float* v, int64_t ld, const float* u, const float* bias, bool residual, float* y,
               int64_t t0, int64_t rows, int64_t p, float* m) {
-  const int64_t P = s.Panels(), X = s.Positions();
+  const int64_t P = s.Panels(), X = s.Positions(), panel = s.form->panel;
   for (int64_t xi = 0; xi < X; ++xi)
-    WinoProduct(v + xi * ld, s.C, u + (xi * P + p) * s.C * kWinoPanel, s.C, m + xi * rows * kWinoPanel, rows);
-  s.form->output(s, m, t0, t0 + rows, p * kWinoPanel, std::min(kWinoPanel, s.K - p * kWinoPanel), bias, residual, y);
+    s.form->product(v + xi * ld, s.C, u + (xi * P + p) * s.C * panel, s.C, m + xi * rows * panel, rows);
+  s.form->output(s, m, t0, t0 + rows, p * panel, std::min(panel, s.K - p * panel), bias, residual, y);
 }
 
-// y = conv(x, the weights packed in u) + bias [+ y], activated; x, y nChw8c. With enough tiles
-// for every thread (two tasks each at least), the tiles are split into a multiple of the
-// thread count of equal tasks, and each task transforms its tiles' input and runs every panel
-// on them while their V is in cache. With few (small images), the input of all tiles is
-// transformed first, and tasks are (panel, tiles) pairs, panels outermost: each thread reads
-// only its own panels of U (the weights, the larger operand there).
+// y = conv(x, the weights packed in u) + bias [+ y], activated; x, y nChwBc (B: the form's
+// block). With enough tiles for every thread (two tasks each at least), the tiles are split
+// into a multiple of the thread count of equal tasks, and each task transforms its tiles' input
+// and runs every panel on them while their V is in cache. With few (small images), the input of
+// all tiles is transformed first, and tasks are (panel, tiles) pairs, panels outermost: each
+// thread reads only its own panels of U (the weights, the larger operand there).
 void RunWinograd(const Wino& s, const float* x, const float* u, const float* bias, bool residual, float* y) {
   const int64_t T = s.T(), P = s.Panels(), X = s.Positions(), threads = omp_get_max_threads();
   int64_t tasks = (T + kWinoTiles - 1) / kWinoTiles;
@@ -710,7 +575,7 @@ void RunWinograd(const Wino& s, const float* x, const float* u, const float* bia
 #pragma omp parallel
   {
     thread_local std::vector<float> m, own;  // a task's products; by_chunk: its V
-    m.resize(X * rows * kWinoPanel);
+    m.resize(X * rows * s.form->panel);
     if (by_chunk) {
       own.resize(X * ld);
 #pragma omp for schedule(static)
@@ -735,48 +600,88 @@ void RunWinograd(const Wino& s, const float* x, const float* u, const float* bia
   }
 }
 
-template <class H, class W>
-constexpr WinoForm MakeForm(const char* impl) {
-  return WinoForm{H::m, W::m, H::a, W::a, impl, &WinoInput<H, W>, &WinoOutput<H, W>, &WinoPack<H, W>};
-}
+#if defined(__x86_64__) && defined(__GNUC__)
+// The kernels, once per ISA (onednn_winograd.inc): AVX2 with FMA, eight channels a vector and
+// 6 x 16 products; AVX-512, sixteen and 12 x 32.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace wino_avx2 {
+struct Vec {
+  using reg = __m256;
+  static constexpr int64_t kLanes = 8;
+  static constexpr int kRows = 6;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float a) { return _mm256_set1_ps(a); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg a) { _mm256_storeu_ps(p, a); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
+};
+#define LAYERFUSE_WINO_ISA "avx2"
+#include "onednn_winograd.inc"
+#undef LAYERFUSE_WINO_ISA
+}  // namespace wino_avx2
+#pragma GCC pop_options
 
-// The form of a kernel kh x kw under algorithm 2 (tiles of 2) or 3 (tiles of 4), or null.
-const WinoForm* FormOf(int64_t kh, int64_t kw, int64_t algorithm) {
-  static const WinoForm f2x2_3x3 = MakeForm<AxisF23, AxisF23>("winograd_2x2_3x3:layerfuse_avx2"),
-                        f4x4_3x3 = MakeForm<AxisF43, AxisF43>("winograd_4x4_3x3:layerfuse_avx2"),
-                        f2x2_5x5 = MakeForm<AxisF25, AxisF25>("winograd_2x2_5x5:layerfuse_avx2"),
-                        f1x2_1x7 = MakeForm<AxisF1, AxisF27>("winograd_1x2_1x7:layerfuse_avx2"),
-                        f2x1_7x1 = MakeForm<AxisF27, AxisF1>("winograd_2x1_7x1:layerfuse_avx2"),
-                        f1x2_1x3 = MakeForm<AxisF1, AxisF23>("winograd_1x2_1x3:layerfuse_avx2"),
-                        f2x1_3x1 = MakeForm<AxisF23, AxisF1>("winograd_2x1_3x1:layerfuse_avx2");
-  if (algorithm == 3) return kh == 3 && kw == 3 ? &f4x4_3x3 : nullptr;
-  if (algorithm != 2) return nullptr;
-  if (kh == 3 && kw == 3) return &f2x2_3x3;
-  if (kh == 5 && kw == 5) return &f2x2_5x5;
-  if (kh == 1 && kw == 7) return &f1x2_1x7;
-  if (kh == 7 && kw == 1) return &f2x1_7x1;
-  if (kh == 1 && kw == 3) return &f1x2_1x3;
-  if (kh == 3 && kw == 1) return &f2x1_3x1;
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace wino_avx512 {
+struct Vec {
+  using reg = __m512;
+  static constexpr int64_t kLanes = 16;
+  static constexpr int kRows = 12;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float a) { return _mm512_set1_ps(a); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg a) { _mm512_storeu_ps(p, a); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
+};
+#define LAYERFUSE_WINO_ISA "avx512"
+#include "onednn_winograd.inc"
+#undef LAYERFUSE_WINO_ISA
+}  // namespace wino_avx512
+#pragma GCC pop_options
+
+// The form of a kernel kh x kw under algorithm 2 (tiles of 2) or 3 (tiles of 4) for activations
+// in blocks of `block` channels (8: AVX2, 16: AVX-512), or null where this CPU lacks the ISA.
+const WinoForm* FormOf(int64_t kh, int64_t kw, int64_t algorithm, int64_t block) {
+  if (block == 16) return __builtin_cpu_supports("avx512f") ? wino_avx512::FormOf(kh, kw, algorithm) : nullptr;
+  if (block == 8) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? wino_avx2::FormOf(kh, kw, algorithm) : nullptr;
   return nullptr;
 }
+
+// The block of a layer whose src and dst are both plain: the widest this CPU's kernels take.
+int64_t WinoPlainBlock() { return __builtin_cpu_supports("avx512f") ? 16 : 8; }
 #else
-const WinoForm* FormOf(int64_t, int64_t, int64_t) { return nullptr; }
-void RunWinograd(const Wino&, const float*, const float*, const float*, bool, float*) {
-  TVM_FFI_THROW(RuntimeError) << "layerfuse.onednn: the Winograd kernel needs an x86-64 build";
-}
+const WinoForm* FormOf(int64_t, int64_t, int64_t, int64_t) { return nullptr; }
+int64_t WinoPlainBlock() { return 0; }
 #endif
+
+// The library's Winograd form for conv(x, w, at) with that dst block: its block is the blocked
+// side's (src first), or the widest this CPU runs where both sides are plain; null: none here.
+const WinoForm* WinoFormFor(const dims& w, const Attrs& at, int64_t dst_block) {
+  const int64_t block = at.src_block ? at.src_block : dst_block ? dst_block : WinoPlainBlock();
+  return FormOf(w[2], w[3], at.algorithm, block);
+}
 
 // Whether conv(x, w, at) fits the library's Winograd kernel (see Winograd above); where it does
 // not, the direct conv runs and `implementation` names that kernel.
 bool WinogradFits(const dims& x, const dims& w, const Attrs& at, int64_t dst_block) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return false;
-#endif
-  return FormOf(w[2], w[3], at.algorithm) && x[1] == w[1]                                  // a form, groups 1
+  const WinoForm* form = WinoFormFor(w, at, dst_block);
+  return form && x[1] == w[1]                                                                   // a form, groups 1
          && x[2] + at.pad_l[0] + at.pad_r[0] >= w[2] && x[3] + at.pad_l[1] + at.pad_r[1] >= w[3]  // an output
          && at.stride[0] == 1 && at.stride[1] == 1 && at.dilation[0] == 1 && at.dilation[1] == 1 && at.groups == 1
-         && x[1] % kWinoBlock == 0 && w[0] % kWinoBlock == 0  // whole 8-channel blocks
-         && (!at.src_block || at.src_block == kWinoBlock) && (!dst_block || dst_block == kWinoBlock)
+         && x[1] % form->block == 0 && w[0] % form->block == 0  // whole blocks
+         && (!at.src_block || at.src_block == form->block) && (!dst_block || dst_block == form->block)
          && (at.act == kNone || at.act == kRelu || at.act == kClip);
 }
 
@@ -986,14 +891,14 @@ Kernel MakeKernel(const dims& x, const dims& w, const Attrs& at, bool residual, 
   Kernel k;
   if (at.algorithm >= 2 && WinogradFits(x, w, at, dst_block)) {
     const int64_t OH = x[2] + at.pad_l[0] + at.pad_r[0] - w[2] + 1, OW = x[3] + at.pad_l[1] + at.pad_r[1] - w[3] + 1;
-    k.wino = Wino{FormOf(w[2], w[3], at.algorithm), x[0], x[1], x[2], x[3], w[0], OH, OW, at.pad_l[0], at.pad_l[1],
+    k.wino = Wino{WinoFormFor(w, at, dst_block), x[0], x[1], x[2], x[3], w[0], OH, OW, at.pad_l[0], at.pad_l[1],
                   at.act, at.alpha, at.beta};
-    k.src_md = dnnl::memory::desc(x, dt::f32, tag::nChw8c);
-    k.dst_md = dnnl::memory::desc({x[0], w[0], OH, OW}, dt::f32, tag::nChw8c);
+    k.src_md = dnnl::memory::desc(x, dt::f32, Blocked(k.wino->form->block));
+    k.dst_md = dnnl::memory::desc({x[0], w[0], OH, OW}, dt::f32, Blocked(k.wino->form->block));
     k.bias_md = dnnl::memory::desc({w[0]}, dt::f32, tag::x);
     k.weights_md = dnnl::memory::desc({k.wino->PackedFloats()}, dt::f32, tag::x);
     Hasher h;
-    for (int64_t v : {int64_t{0x57696e6f32783233}, k.wino->C, k.wino->K, kWinoPanel, k.wino->form->mh, k.wino->form->mw,
+    for (int64_t v : {int64_t{0x57696e6f32783233}, k.wino->C, k.wino->K, k.wino->form->panel, k.wino->form->mh, k.wino->form->mw,
                       k.wino->form->ah, k.wino->form->aw})
       h.Add(v);
     k.weights_id = h.h;
