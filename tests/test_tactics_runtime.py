@@ -145,6 +145,8 @@ def _other_version_library(tmp_path: Path, version: int) -> Path:
     source = onednn.SOURCE.read_text().replace(f"kAbiVersion = {abi.ABI_VERSION};", f"kAbiVersion = {version};")
     src = tmp_path / "onednn_conv.cc"
     src.write_text(source)
+    for include in onednn.SOURCE_INCLUDES:  # what it includes from beside it
+        (tmp_path / include.name).write_bytes(include.read_bytes())
     found = onednn.installation()
     return Path(
         tvm_ffi.cpp.build(

@@ -84,9 +84,15 @@ def injected(monkeypatch):
     return _inject(
         monkeypatch,
         injected,
-        lambda attrs, kernel: INJECTED_KERNEL if attrs.algorithm == abi.CONV_ALGORITHMS["winograd"] else kernel,
+        lambda attrs, kernel: INJECTED_KERNEL if attrs.algorithm == abi.CONV_ALGORITHMS["winograd"] else _not_own(kernel),
         lambda attrs: injected.timings,
     )
+
+
+def _not_own(kernel: str) -> str:
+    """The kernel, except that the library's Winograd (which fits these 8 channels on AVX2)
+    answers as a layer it does not fit would: only oneDNN's algorithms are in the choice."""
+    return "jit:direct_injected" if abi.is_own_winograd(kernel) else kernel
 
 
 @pytest.mark.parametrize(
@@ -173,7 +179,7 @@ def test_fixed_modes_ignore_the_timings(fused, injected, mode, winograd):
     assert any(c.kernel == INJECTED_KERNEL for c in chooser.layers) is winograd
 
 
-OWN_2x2, OWN_4x4 = "winograd_2x2_3x3" + abi.OWN_WINOGRAD_SUFFIX, "winograd_4x4_3x3" + abi.OWN_WINOGRAD_SUFFIX
+OWN_2x2, OWN_4x4 = "winograd_2x2_3x3" + abi.OWN_WINOGRAD_SUFFIXES[8], "winograd_4x4_3x3" + abi.OWN_WINOGRAD_SUFFIXES[8]
 
 
 @pytest.fixture
@@ -209,4 +215,32 @@ def test_without_a_onednn_winograd_kernel_the_fastest_library_form_is_kept_by_th
     three = next(c for c in chooser.layers if c.shape.endswith("3, 3]"))
     assert three.kernel == {2: OWN_2x2, 3: OWN_4x4}.get(chosen, three.kernel) and abi.is_own_winograd(three.kernel) is bool(chosen)
     assert three.timing == f"direct {direct_ms:.3f} ms, winograd {min(tile2_ms, tile4_ms):.3f} ms"
+    assert sorted(_conv_algorithms(mod)) == sorted([0, chosen])
+
+
+@pytest.fixture
+def both(monkeypatch):
+    """oneDNN answers as on AVX-512 (its Winograd kernel, ``INJECTED_KERNEL``) and both of the
+    library's 3x3 forms fit too; ``timings`` = {algorithm: (direct ms, Winograd ms)}."""
+    named = {
+        abi.CONV_ALGORITHMS["winograd"]: INJECTED_KERNEL,
+        abi.CONV_ALGORITHMS["own_winograd"]: OWN_2x2,
+        abi.CONV_ALGORITHMS["own_winograd_4x4"]: OWN_4x4,
+    }
+    return _inject(monkeypatch, both, lambda attrs, kernel: named.get(attrs.algorithm, kernel), lambda attrs: both.timings[attrs.algorithm])
+
+
+@pytest.mark.parametrize("onednn_ms, tile2_ms, chosen", [(1.0, 0.8, 2), (0.8, 1.0, 1)])
+def test_beside_a_onednn_winograd_kernel_the_library_tiles_of_2_compete_and_its_4x4_does_not(
+    fused, both, onednn_ms, tile2_ms, chosen
+):
+    """oneDNN's F(4x4, 3x3) rounds closer than the library's, so where oneDNN has a Winograd
+    kernel the library's F(4x4, 3x3) is not timed (even were it fastest); its F(2x2, 3x3) is,
+    and the fastest of the two Winograds kept."""
+    both.timings = {1: (2.0, onednn_ms), 2: (2.0, tile2_ms), 3: (2.0, 0.1)}
+    chooser = UseOneDNNConv(winograd="timed")
+    mod = chooser(fused)
+    assert [c[2:4] for c in both.calls] == [(0, 1), (0, 2)]
+    three = next(c for c in chooser.layers if c.shape.endswith("3, 3]"))
+    assert three.kernel == {1: INJECTED_KERNEL, 2: OWN_2x2}[chosen]
     assert sorted(_conv_algorithms(mod)) == sorted([0, chosen])

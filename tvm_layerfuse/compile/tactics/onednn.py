@@ -176,7 +176,8 @@ def build_extension() -> Path:
     import tvm_ffi.cpp
 
     # the cache key: the source (and what it includes), the oneDNN it links, tvm-ffi (its headers and ABI), the flags, the ABI version
-    key = SOURCE.read_bytes() + b"".join(p.read_bytes() for p in SOURCE_INCLUDES) + repr((str(found.lib_dir), found.version, tvm_ffi.__version__, _FLAGS, abi.ABI_VERSION)).encode()
+    sources = SOURCE.read_bytes() + b"".join(p.read_bytes() for p in SOURCE_INCLUDES)
+    key = sources + repr((str(found.lib_dir), found.version, tvm_ffi.__version__, _FLAGS, abi.ABI_VERSION)).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("TVM_LAYERFUSE_CACHE", Path.home() / ".cache" / "tvm_layerfuse")) / f"onednn-{digest}"
     out = cache / "layerfuse_onednn.so"

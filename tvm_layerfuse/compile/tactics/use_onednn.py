@@ -276,8 +276,9 @@ class UseOneDNNConv:
             wino_kernel = oracle.conv_kernel(x_shape, w_shape, wino, residual=residual)
             if not _kernel_refused(wino_kernel):
                 candidates.append((wino, wino_kernel))
+        onednn_has_one = bool(candidates)
         for algorithm in abi.OWN_WINOGRAD_KERNELS[shape]:
-            if candidates and algorithm == abi.CONV_ALGORITHMS["own_winograd_4x4"]:
+            if onednn_has_one and algorithm == abi.CONV_ALGORITHMS["own_winograd_4x4"]:
                 continue
             own = attrs.replace(algorithm=algorithm, **layout)
             own_kernel = oracle.conv_kernel(x_shape, w_shape, own, residual=residual)
