@@ -218,10 +218,12 @@ def test_without_a_onednn_winograd_kernel_the_fastest_library_form_is_kept_by_th
     assert sorted(_conv_algorithms(mod)) == sorted([0, chosen])
 
 
+
 @pytest.fixture
 def both(monkeypatch):
     """oneDNN answers as on AVX-512 (its Winograd kernel, ``INJECTED_KERNEL``) and both of the
-    library's 3x3 forms fit too; ``timings`` = {algorithm: (direct ms, Winograd ms)}."""
+    library's 3x3 forms fit too (as they do there, on nChw16c); ``timings`` = {algorithm:
+    (direct ms, Winograd ms)}."""
     named = {
         abi.CONV_ALGORITHMS["winograd"]: INJECTED_KERNEL,
         abi.CONV_ALGORITHMS["own_winograd"]: OWN_2x2,
@@ -230,17 +232,14 @@ def both(monkeypatch):
     return _inject(monkeypatch, both, lambda attrs, kernel: named.get(attrs.algorithm, kernel), lambda attrs: both.timings[attrs.algorithm])
 
 
-@pytest.mark.parametrize("onednn_ms, tile2_ms, chosen", [(1.0, 0.8, 2), (0.8, 1.0, 1)])
-def test_beside_a_onednn_winograd_kernel_the_library_tiles_of_2_compete_and_its_4x4_does_not(
-    fused, both, onednn_ms, tile2_ms, chosen
-):
-    """oneDNN's F(4x4, 3x3) rounds closer than the library's, so where oneDNN has a Winograd
-    kernel the library's F(4x4, 3x3) is not timed (even were it fastest); its F(2x2, 3x3) is,
-    and the fastest of the two Winograds kept."""
-    both.timings = {1: (2.0, onednn_ms), 2: (2.0, tile2_ms), 3: (2.0, 0.1)}
+def test_beside_a_onednn_winograd_kernel_the_library_forms_are_not_timed(fused, both):
+    """Where oneDNN has a 3x3 Winograd kernel, only it is timed against the direct conv, even
+    were the library's forms faster alone (in a model their weights come cold from memory,
+    and its F(4x4, 3x3) rounds further from the exact sum)."""
+    both.timings = {1: (2.0, 1.5), 2: (2.0, 0.5), 3: (2.0, 0.1)}
     chooser = UseOneDNNConv(winograd="timed")
     mod = chooser(fused)
-    assert [c[2:4] for c in both.calls] == [(0, 1), (0, 2)]
+    assert [c[2:4] for c in both.calls] == [(0, 1)]
     three = next(c for c in chooser.layers if c.shape.endswith("3, 3]"))
-    assert three.kernel == {1: INJECTED_KERNEL, 2: OWN_2x2}[chosen]
-    assert sorted(_conv_algorithms(mod)) == sorted([0, chosen])
+    assert three.kernel == INJECTED_KERNEL
+    assert sorted(_conv_algorithms(mod)) == [0, 1]
