@@ -428,8 +428,8 @@ int64_t RoundUp(int64_t c, int64_t block) { return (c + block - 1) / block * blo
 // this library's Winograd kernel instead (algorithm 2: output tiles of 2 along each axis the
 // kernel spans, 3: 4x4 tiles, 3x3 only), chosen per layer by timing at compile time as
 // oneDNN's is: on AVX2 for any of its kernel shapes, on AVX-512 for those oneDNN has no
-// Winograd for (5x5, 1x7, 7x1, 1x3, 3x1). Along one axis, F(m, r) makes m outputs of an r-tap filter g from a = m + r - 1
-// inputs d with a multiplies instead of m r:
+// Winograd for (5x5, 1x7, 7x1, 1x3, 3x1). Along one axis, F(m, r) makes m outputs of an r-tap
+// filter g from a = m + r - 1 inputs d with a multiplies instead of m r:
 //   y = AT [ (G g) .* (BT d) ]        (AT: m x a, G: a x r, BT: a x a; Cook-Toom, points
 //                                      0, 1, -1, 2, -2, 1/2, -1/2 as many as needed, and oo)
 // and a 2-d kernel nests two of them, F(mh x mw, rh x rw): per tile (an ah x aw input patch d)
@@ -673,16 +673,17 @@ const WinoForm* WinoFormFor(const dims& w, const Attrs& at, int64_t dst_block) {
   return FormOf(w[2], w[3], at.algorithm, block);
 }
 
-// Whether conv(x, w, at) fits the library's Winograd kernel (see Winograd above); where it does
-// not, the direct conv runs and `implementation` names that kernel.
-bool WinogradFits(const dims& x, const dims& w, const Attrs& at, int64_t dst_block) {
+// The library's Winograd form that conv(x, w, at) fits (see Winograd above), or null: where
+// none does, the direct conv runs and `implementation` names that kernel.
+const WinoForm* FittingWinoForm(const dims& x, const dims& w, const Attrs& at, int64_t dst_block) {
   const WinoForm* form = WinoFormFor(w, at, dst_block);
-  return form && x[1] == w[1]                                                                   // a form, groups 1
+  const bool fits = form && x[1] == w[1]                                                                   // a form, groups 1
          && x[2] + at.pad_l[0] + at.pad_r[0] >= w[2] && x[3] + at.pad_l[1] + at.pad_r[1] >= w[3]  // an output
          && at.stride[0] == 1 && at.stride[1] == 1 && at.dilation[0] == 1 && at.dilation[1] == 1 && at.groups == 1
          && x[1] % form->block == 0 && w[0] % form->block == 0  // whole blocks
          && (!at.src_block || at.src_block == form->block) && (!dst_block || dst_block == form->block)
          && (at.act == kNone || at.act == kRelu || at.act == kClip);
+  return fits ? form : nullptr;
 }
 
 dnnl::convolution_forward::primitive_desc MakeDesc(const dims& x, const dims& w, const Attrs& at, bool residual,
@@ -795,7 +796,7 @@ int64_t PackedId(const std::vector<uint64_t>& ids) {
 }
 
 // What runs one conv layer (or one piece of a merged one): a oneDNN primitive, or - algorithms
-// 2 and 3, where the layer fits (WinogradFits) - this library's Winograd kernel; with the
+// 2 and 3, where the layer fits (FittingWinoForm) - this library's Winograd kernel; with the
 // layouts of its src, dst and weights, and its weights' identity (DescId, or the Winograd
 // packing's). MakeKernel makes it.
 struct Kernel {
@@ -889,12 +890,13 @@ struct Rows {
 
 Kernel MakeKernel(const dims& x, const dims& w, const Attrs& at, bool residual, int64_t dst_block) {
   Kernel k;
-  if (at.algorithm >= 2 && WinogradFits(x, w, at, dst_block)) {
+  const WinoForm* form = at.algorithm >= 2 ? FittingWinoForm(x, w, at, dst_block) : nullptr;
+  if (form) {
     const int64_t OH = x[2] + at.pad_l[0] + at.pad_r[0] - w[2] + 1, OW = x[3] + at.pad_l[1] + at.pad_r[1] - w[3] + 1;
-    k.wino = Wino{WinoFormFor(w, at, dst_block), x[0], x[1], x[2], x[3], w[0], OH, OW, at.pad_l[0], at.pad_l[1],
+    k.wino = Wino{form, x[0], x[1], x[2], x[3], w[0], OH, OW, at.pad_l[0], at.pad_l[1],
                   at.act, at.alpha, at.beta};
-    k.src_md = dnnl::memory::desc(x, dt::f32, Blocked(k.wino->form->block));
-    k.dst_md = dnnl::memory::desc({x[0], w[0], OH, OW}, dt::f32, Blocked(k.wino->form->block));
+    k.src_md = dnnl::memory::desc(x, dt::f32, Blocked(form->block));
+    k.dst_md = dnnl::memory::desc({x[0], w[0], OH, OW}, dt::f32, Blocked(form->block));
     k.bias_md = dnnl::memory::desc({w[0]}, dt::f32, tag::x);
     k.weights_md = dnnl::memory::desc({k.wino->PackedFloats()}, dt::f32, tag::x);
     Hasher h;
