@@ -114,7 +114,7 @@ def _stamp(model: Path) -> str:
 
     package = Path(tvm_layerfuse.__file__).parent
     h = hashlib.sha256()
-    for f in sorted(package.rglob("*.py")) + sorted(package.rglob("*.cc")):
+    for f in sorted(package.rglob("*.py")) + sorted(package.rglob("*.cc")) + sorted(package.rglob("*.inc")):
         h.update(f.read_bytes())
     return f"model {hashlib.sha256(model.read_bytes()).hexdigest()[:12]} package {h.hexdigest()[:12]}"
 

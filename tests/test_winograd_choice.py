@@ -232,14 +232,22 @@ def both(monkeypatch):
     return _inject(monkeypatch, both, lambda attrs, kernel: named.get(attrs.algorithm, kernel), lambda attrs: both.timings[attrs.algorithm])
 
 
-def test_beside_a_onednn_winograd_kernel_the_library_forms_are_not_timed(fused, both):
-    """Where oneDNN has a 3x3 Winograd kernel, only it is timed against the direct conv, even
-    were the library's forms faster alone (in a model their weights come cold from memory,
-    and its F(4x4, 3x3) rounds further from the exact sum)."""
-    both.timings = {1: (2.0, 1.5), 2: (2.0, 0.5), 3: (2.0, 0.1)}
+@pytest.mark.parametrize(
+    "onednn_ms, tile2_ms, chosen",
+    [
+        (1.5, 0.5, 2),  # the library's tiles of 2 fastest
+        (0.5, 1.5, 1),  # oneDNN's fastest
+    ],
+)
+def test_beside_a_onednn_winograd_kernel_the_library_tiles_of_2_are_timed_its_4x4_not(fused, both, onednn_ms, tile2_ms, chosen):
+    """Where oneDNN has a 3x3 Winograd kernel, it and the library's F(2x2, 3x3) are timed
+    against the direct conv, and the faster kept; the library's F(4x4, 3x3) is not timed, even
+    were it faster (it rounds further from the exact sum than oneDNN's)."""
+    both.timings = {1: (2.0, onednn_ms), 2: (2.0, tile2_ms), 3: (2.0, 0.1)}
     chooser = UseOneDNNConv(winograd="timed")
     mod = chooser(fused)
-    assert [c[2:4] for c in both.calls] == [(0, 1)]
+    assert [c[2:4] for c in both.calls] == [(0, 1), (0, 2)]
     three = next(c for c in chooser.layers if c.shape.endswith("3, 3]"))
-    assert three.kernel == INJECTED_KERNEL
-    assert sorted(_conv_algorithms(mod)) == [0, 1]
+    assert three.kernel == {1: INJECTED_KERNEL, 2: OWN_2x2}[chosen]
+    assert three.timing == f"direct 2.000 ms, winograd {min(onednn_ms, tile2_ms):.3f} ms"
+    assert sorted(_conv_algorithms(mod)) == [0, chosen]

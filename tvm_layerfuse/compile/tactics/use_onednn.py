@@ -267,23 +267,24 @@ class UseOneDNNConv:
             src_block=width if width and x_shape[1] % width == 0 else 0,
             dst_block=width if width and w_shape[0] % width == 0 else 0,
         )
-        # oneDNN's Winograd (3x3; AVX-512 only in oneDNN 2.6), else the library's forms that fit
-        # (on AVX-512: 5x5, 1x7, 7x1, 1x3, 3x1). Beside oneDNN's 3x3 kernels the library's are not
-        # timed: alone they ran up to 2x as fast, in GoogLeNet 6 % slower at one thread (their
-        # weights come cold from memory there), and the library's F(4x4, 3x3) rounds further
-        # from the exact sum than oneDNN's (Inception-v3: 1.3e-4 from onnxruntime against 4e-5)
+        # oneDNN's Winograd (3x3; AVX-512 only in oneDNN 2.6) and the library's forms that fit
+        # (AVX2: every shape; AVX-512: nChw16c). Beside oneDNN's 3x3 kernels the library's
+        # F(4x4, 3x3) is not timed: it rounds further from the exact sum than oneDNN's
+        # (Inception-v3: 1.3e-4 from onnxruntime against 4e-5)
         candidates = []
         if shape == (3, 3):
             wino = attrs.replace(algorithm=abi.CONV_ALGORITHMS["winograd"], **layout)
             wino_kernel = oracle.conv_kernel(x_shape, w_shape, wino, residual=residual)
             if not _kernel_refused(wino_kernel):
                 candidates.append((wino, wino_kernel))
-        if not candidates:
-            for algorithm in abi.OWN_WINOGRAD_KERNELS[shape]:
-                own = attrs.replace(algorithm=algorithm, **layout)
-                own_kernel = oracle.conv_kernel(x_shape, w_shape, own, residual=residual)
-                if abi.is_own_winograd(own_kernel):
-                    candidates.append((own, own_kernel))
+        beside_onednn = bool(candidates)
+        for algorithm in abi.OWN_WINOGRAD_KERNELS[shape]:
+            if beside_onednn and algorithm == abi.CONV_ALGORITHMS["own_winograd_4x4"]:
+                continue
+            own = attrs.replace(algorithm=algorithm, **layout)
+            own_kernel = oracle.conv_kernel(x_shape, w_shape, own, residual=residual)
+            if abi.is_own_winograd(own_kernel):
+                candidates.append((own, own_kernel))
         if not candidates:
             if self.winograd == "always":  # asked for, not there: direct, and the reason recorded
                 return attrs, kernel, NO_WINOGRAD
