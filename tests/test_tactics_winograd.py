@@ -81,7 +81,7 @@ CASES = {
     "2x2_3x3-batch2-leaky-residual": (OWN, (3, 3), 2, 8, 24, 9, 6, (1, 1, 1, 1), "relu", 0.1, 0.0, True, 8, 8),  # K 24: half a panel
     "2x2_3x3-many-tasks": (OWN, (3, 3), 1, 64, 64, 30, 30, (1, 1, 1, 1), "none", 0.0, 0.0, True, 8, 8),  # 225 tiles: 5 tasks
     "2x2_3x3-many-chunks": (OWN, (3, 3), 1, 16, 24, 44, 44, (1, 1, 1, 1), "relu", 0.0, 0.0, False, 8, 8),  # 484 tiles: 11-12 tasks
-    "2x2_3x3-more-channels-than-tiles": (OWN, (3, 3), 1, 16, 112, 14, 14, (1, 1, 1, 1), "relu", 0.0, 0.0, True, 8, 8),  # 49 tiles, U larger: V whole, 2 chunks a panel
+    "2x2_3x3-more-channels-than-tiles": (OWN, (3, 3), 1, 16, 112, 14, 14, (1, 1, 1, 1), "relu", 0.0, 0.0, True, 8, 8),  # U larger than V
     "2x2_3x3-clip-unpadded-plain": (OWN, (3, 3), 1, 32, 40, 5, 11, (0, 0, 0, 0), "clip", -0.5, 0.75, False, 0, 0),
     "2x2_3x3-asymmetric-pads": (OWN, (3, 3), 2, 24, 16, 10, 10, (2, 1, 0, 2), "none", 0.0, 0.0, False, 8, 0),
     "2x2_3x3-plain-in-residual": (OWN, (3, 3), 1, 48, 32, 8, 8, (1, 1, 1, 1), "relu", 0.0, 0.0, True, 0, 8),
