@@ -31,7 +31,11 @@ fuzzing, tuning) is not a result. So is the share of CPU time the hypervisor too
 machine while the engines ran (``steal`` in ``/proc/stat``, on a virtual machine), and each
 engine's spread over the rounds (the lowest and highest round median, in brackets): on a
 virtual machine whose host is busy the same engine's rounds can differ by tens of percent, and
-a ratio within that spread is a tie. OpenVINO is optional (``pip install -e ".[bench]"``); without
+a ratio within that spread is a tie. The column "against the faster" says so per model
+(:func:`verdict`): layerfuse's median over the faster engine's (the one of onnxruntime and
+OpenVINO with the lower median), then ``ahead`` where every round of layerfuse beat every round
+of that engine, ``behind`` where every one lost, ``tie`` where the two spreads overlap (more
+rounds may separate them). OpenVINO is optional (``pip install -e ".[bench]"``); without
 it its column is empty.
 """
 
@@ -100,6 +104,23 @@ def worker(engine: str, model: str, artifact: str, threads: int, runs: int) -> f
 
 
 # ---------------------------------------------------------------------- the driver
+def verdict(ours: list[float], theirs: list[float]) -> str:
+    """``ahead`` where each of ``ours`` (round medians, ms) is below each of ``theirs``,
+    ``behind`` where each is above, else ``tie``: the spreads overlap."""
+    if max(ours) < min(theirs):
+        return "ahead"
+    if min(ours) > max(theirs):
+        return "behind"
+    return "tie"
+
+
+def against_faster(ours: list[float], anchors: dict[str, list[float]]) -> str:
+    """layerfuse's median over the faster anchor's (the lower median of ``anchors``: engine ->
+    round medians) and the :func:`verdict` against that anchor's rounds, e.g. ``0.94 ahead``."""
+    theirs = min(anchors.values(), key=statistics.median)
+    return f"{statistics.median(ours) / statistics.median(theirs):.2f} {verdict(ours, theirs)}"
+
+
 def _has_openvino() -> bool:
     try:
         import openvino  # noqa: F401
@@ -209,20 +230,22 @@ def main() -> None:
         print(f"\n{threads} thread(s), median of {args.rounds} rounds x {args.runs} runs, ms   ({cmd})")
         print(
             "| model | layerfuse | onnxruntime | OpenVINO | layerfuse / onnxruntime | layerfuse / OpenVINO "
-            "| fusion off / on | max rel. err |"
+            "| against the faster | fusion off / on | max rel. err |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for model in args.models:
             med = {e: statistics.median(times[(model, e)]) for e in engines}
             spread = {e: f" ({min(times[(model, e)]):.2f}-{max(times[(model, e)]):.2f})" if args.rounds > 1 else "" for e in engines}
             lf = med["layerfuse"]
             ov = med.get("openvino")
             off = med.get("fusion-off")
+            anchors = {e: times[(model, e)] for e in ("onnxruntime", "openvino") if e in med}
+            against = against_faster(times[(model, "layerfuse")], anchors)
             print(
                 f"| {model.stem} | {lf:.2f}{spread['layerfuse']} | {med['onnxruntime']:.2f}{spread['onnxruntime']} | "
                 f"{f'{ov:.2f}' + spread['openvino'] if ov else '-'} | "
-                f"{lf / med['onnxruntime']:.2f} | {f'{lf / ov:.2f}' if ov else '-'} | {f'{off / lf:.2f}' if off else '-'} | "
-                f"{errs[model]:.1e} |"
+                f"{lf / med['onnxruntime']:.2f} | {f'{lf / ov:.2f}' if ov else '-'} | {against} | "
+                f"{f'{off / lf:.2f}' if off else '-'} | {errs[model]:.1e} |"
             )
     total, stolen = (b - a for a, b in zip(ticks, _cpu_ticks()))
     print(f"\nload average after timing: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"

@@ -589,4 +589,23 @@ MUTANTS = [
         replacement="** 1.0",
         tests=[WINO],
     ),
+    # ------------------------------------------------------------------ the bench's verdict
+    dict(
+        id="bench-verdict-touching-spreads",
+        area="bench",
+        why="a round of layerfuse as slow as the faster engine's best round still called ahead",
+        file="scripts/bench_models.py",
+        original="    if max(ours) < min(theirs):",
+        replacement="    if max(ours) <= min(theirs):",
+        tests=[T + "test_bench_models.py"],
+    ),
+    dict(
+        id="bench-faster-by-best-round",
+        area="bench",
+        why="the faster engine picked by its single best round instead of its median",
+        file="scripts/bench_models.py",
+        original="theirs = min(anchors.values(), key=statistics.median)",
+        replacement="theirs = min(anchors.values(), key=min)",
+        tests=[T + "test_bench_models.py"],
+    ),
 ]
